@@ -1,0 +1,16 @@
+"""torchwire: a fast, failure-tolerant, authenticated drop-in for torch.distributed.rpc.
+
+Public packages: :mod:`torchwire.rpc`.  Errors are re-exported here too.
+"""
+
+from ._errors import (ConnectionClosedError, ProtocolError, RemoteError, RendezvousError,
+                      RpcStateError, RpcTimeoutError, SerializationError, TorchwireError,
+                      UnknownWorkerError, WorkerUnavailableError)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "TorchwireError", "RpcStateError", "RendezvousError", "WorkerUnavailableError",
+    "RpcTimeoutError", "ProtocolError", "ConnectionClosedError", "SerializationError",
+    "RemoteError", "UnknownWorkerError", "__version__",
+]

@@ -1,0 +1,577 @@
+"""The RPC agent: one per process.
+
+It owns the name table, the connections (made on first use), the table of
+pending calls (request id -> future and deadline), the one timer for every
+deadline, the pool that runs user functions, and shutdown.  The public
+``torchwire.rpc`` functions validate their arguments and call it.
+
+Threads:
+    * reader (one per connection, I/O): decodes frames, completes response
+      futures, queues requests on the pool.  Never runs user code.
+    * timer (I/O): fails calls whose deadline passed.
+    * pool (``num_worker_threads`` core threads): runs user functions,
+      ``async_execution`` completions and future callbacks.
+    * accept (one per listening socket) + one short-lived handshake thread per
+      accepted connection, which then becomes that connection's reader.
+
+Graceful shutdown (store-based termination detection)::
+
+    DRAINING:  round r = 0, 1, ...
+                 wait until this worker has no pending outgoing call
+                 publish "sd/<r>/<rank>" = requests sent, requests received
+                 wait for every rank's round-r record
+                 stop when totals balance (sent == received) and equal the
+                 previous round's: no request is in flight or being served
+    EXIT:      add(1) to "sd/exit"; rank 0 (which may host the store) waits
+               until every rank has counted, then all close their sockets.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import logging
+import socket
+import threading
+import time
+import traceback
+
+import torch
+
+from . import _serialization as ser
+from . import _threads
+from ._errors import (ConnectionClosedError, RpcStateError, RpcTimeoutError,
+                      SerializationError, WorkerUnavailableError)
+from ._future import Future, set_dispatcher
+from ._pool import WorkerPool
+from ._timer import DeadlineTimer
+from ._wire import frame as F
+from ._wire.connection import Connection, client_handshake, server_handshake
+from ._wire.listener import Listener, connect_tcp, connect_unix, host_identity
+from ._worker_info import WorkerInfo
+
+log = logging.getLogger("torchwire")
+
+_LIVENESS_PERIOD = 1.0  # seconds between liveness checks while shutdown waits
+
+
+class AgentState(enum.Enum):
+    RUNNING = "running"
+    DRAINING = "draining"
+    CLOSED = "closed"
+
+
+class _Peer:
+    __slots__ = ("info", "record", "lock", "out")
+
+    def __init__(self, info: WorkerInfo, record: dict) -> None:
+        self.info = info
+        self.record = record
+        self.lock = threading.Lock()
+        self.out = None
+
+
+class LoopbackConnection:
+    """Calls to oneself: same serialization (copy semantics), no socket."""
+
+    transport = "loopback"
+    initiated = True
+    closed = False
+
+    def __init__(self, agent: RpcAgent, rank: int) -> None:
+        self._agent = agent
+        self.peer_rank = rank
+
+    def __repr__(self) -> str:
+        return f"<LoopbackConnection rank={self.peer_rank}>"
+
+    def send_frame(self, kind, flags, request_id, payload, tensors=()) -> None:
+        copies = [t.reshape(-1).view(torch.uint8).clone() if t.numel() else
+                  torch.empty(0, dtype=torch.uint8) for t in tensors]
+        self._agent._on_frames(self, [(kind, flags, request_id, payload, copies)])
+
+    def close(self, reason=None) -> None:
+        pass
+
+    def send_goodbye(self) -> None:
+        pass
+
+    def join(self, timeout) -> None:
+        pass
+
+
+class RpcAgent:
+    """The per-process RPC runtime (see the module docstring)."""
+
+    def __init__(self, name: str, rank: int, world_size: int, options, store,
+                 store_host: str | None, listener: Listener, records: list[dict],
+                 job: bytes) -> None:
+        self.name = name
+        self.rank = rank
+        self.world_size = world_size
+        self.options = options
+        self.store = store
+        self._store_host = store_host
+        self._listener = listener
+        self._job = job
+        self._host = host_identity()
+        self.rpc_timeout = float(options.rpc_timeout)
+        self.max_message_size = int(getattr(options, "max_message_size",
+                                            F.DEFAULT_MAX_MESSAGE_SIZE))
+        self.state = AgentState.RUNNING
+        self.info = WorkerInfo(name, rank)
+        self._peers: list[_Peer] = []
+        self._by_name: dict[str, WorkerInfo] = {}
+        for r in records:
+            info = WorkerInfo(r["name"], r["rank"])
+            self._peers.append(_Peer(info, r))
+            self._by_name[info.name] = info
+        self._pending: dict[int, tuple] = {}
+        self._rids = itertools.count(1)
+        self._stats_lock = threading.Lock()
+        self._sent = 0
+        self._received = 0
+        self._idle = threading.Condition(threading.Lock())
+        self._draining = False
+        self._incoming: set = set()
+        self._conn_lock = threading.Lock()
+        self._pool = WorkerPool(options.num_worker_threads, name=f"torchwire-{name}")
+        self._timer = DeadlineTimer(self._expire)
+        set_dispatcher(self._pool.submit)
+        self._desc = repr(self.info)
+
+    def __repr__(self) -> str:
+        return (f"<RpcAgent {self.name} rank={self.rank}/{self.world_size} "
+                f"state={self.state.value} pending={len(self._pending)} "
+                f"connections={len(self._incoming) + sum(p.out is not None for p in self._peers)}>")
+
+    # ------------------------------------------------------------------ start
+
+    def start(self) -> None:
+        self._listener.set_handler(self._on_accept)
+
+    # ------------------------------------------------------------------ name table
+
+    def get_worker_info(self, to=None) -> WorkerInfo:
+        if to is None:
+            return self.info
+        if isinstance(to, WorkerInfo):
+            if not 0 <= to.id < self.world_size or self._peers[to.id].info != to:
+                raise _unknown(repr(to))
+            return self._peers[to.id].info
+        if isinstance(to, str):
+            info = self._by_name.get(to)
+            if info is None:
+                raise _unknown(to)
+            return info
+        if isinstance(to, int) and not isinstance(to, bool):
+            if not 0 <= to < self.world_size:
+                raise _unknown(f"rank {to}")
+            return self._peers[to].info
+        raise ValueError(f"Cannot get WorkerInfo from {to!r}: pass a worker name, rank or "
+                         "WorkerInfo")
+
+    def get_worker_infos(self) -> list[WorkerInfo]:
+        return [p.info for p in self._peers]
+
+    # ------------------------------------------------------------------ calls
+
+    def call(self, to: WorkerInfo, func, args, kwargs, timeout: float) -> Future:
+        """Send a request; returns the future of its reply.
+
+        Raises (on the caller, before anything is sent):
+            RpcStateError: the agent is shut down.
+            SerializationError: the call cannot be pickled.
+        """
+        if self.state is AgentState.CLOSED:
+            raise RpcStateError("RPC agent is shut down; call torchwire.rpc.init_rpc first")
+        payload, tensors = ser.dumps((func, args, kwargs))
+        if len(payload) + sum(t.numel() * t.element_size() for t in tensors) > \
+                self.max_message_size:
+            raise SerializationError(
+                f"message of {len(payload)} bytes + tensors exceeds max_message_size "
+                f"{self.max_message_size}")
+        fut = Future()
+        rid = next(self._rids)
+        peer = to.id
+        try:
+            conn = self._connection_to(peer)
+        except WorkerUnavailableError as exc:
+            fut.set_exception(exc)
+            return fut
+        tick = None
+        if timeout > 0:
+            tick = self._timer.add(rid, time.monotonic() + timeout)
+        self._pending[rid] = (fut, tick, peer, conn, timeout, func)
+        try:
+            conn.send_frame(F.K_REQUEST, 0, rid, payload, tensors)
+        except ConnectionClosedError as exc:
+            self._fail(rid, self._unavailable(peer, f"connection lost: {exc}"))
+            return fut
+        with self._stats_lock:
+            self._sent += 1
+        return fut
+
+    def _connection_to(self, rank: int):
+        peer = self._peers[rank]
+        conn = peer.out
+        if conn is not None and not conn.closed:
+            return conn
+        with peer.lock:
+            conn = peer.out
+            if conn is not None and not conn.closed:
+                return conn
+            if self.state is AgentState.CLOSED:
+                raise RpcStateError("RPC agent is shut down")
+            if rank == self.rank:
+                conn = LoopbackConnection(self, rank)
+            else:
+                conn = self._connect(peer)
+            peer.out = conn
+        return conn
+
+    def _connect(self, peer: _Peer) -> Connection:
+        rec = peer.record
+        timeout = min(self.rpc_timeout, 30.0) if self.rpc_timeout > 0 else 30.0
+        try:
+            if rec.get("host") == self._host and rec.get("unix"):
+                sock = connect_unix(rec["unix"], timeout)
+                transport = "unix"
+            else:
+                sock = connect_tcp(rec["tcp"], timeout)
+                transport = "tcp"
+            try:
+                client_handshake(sock, self.rank, self._job, peer.info.id)
+            except BaseException:
+                sock.close()
+                raise
+        except (OSError, EOFError, ConnectionClosedError) as exc:
+            raise self._unavailable(peer.info.id, f"cannot connect: {exc}") from exc
+        except Exception as exc:
+            raise self._unavailable(peer.info.id, f"handshake failed: {exc}") from exc
+        conn = Connection(sock, peer.info.id, self._on_frames, self._on_close,
+                          max_message_size=self.max_message_size, initiated=True,
+                          transport=transport)
+        conn.start()
+        return conn
+
+    def _unavailable(self, rank: int, why: str) -> WorkerUnavailableError:
+        info = self._peers[rank].info
+        return WorkerUnavailableError(f"worker {info.name} (rank {rank}) is unavailable: {why}",
+                                      worker_name=info.name)
+
+    def _fail(self, rid: int, exc: BaseException) -> None:
+        entry = self._pending.pop(rid, None)
+        if entry is None:
+            return
+        if entry[1] is not None:
+            self._timer.cancel(rid, entry[1])
+        entry[0].set_exception(exc)
+        self._note_idle()
+
+    def _note_idle(self) -> None:
+        if self._draining and not self._pending:
+            with self._idle:
+                self._idle.notify_all()
+
+    def _expire(self, rids) -> None:
+        for rid in rids:
+            entry = self._pending.pop(rid, None)
+            if entry is None:
+                continue
+            fut, _tick, peer, _conn, timeout, func = entry
+            name = self._peers[peer].info.name
+            fut.set_exception(RpcTimeoutError(
+                f"RPC ran for more than set timeout ({int(timeout * 1000)} ms) and will now be "
+                f"marked with an error (call to {name}: {_func_name(func)})"))
+        self._note_idle()
+
+    # ------------------------------------------------------------------ incoming frames
+
+    def _on_frames(self, conn, frames) -> None:
+        """Reader thread: dispatch a batch of decoded frames."""
+        work = []
+        for kind, flags, rid, payload, tensors in frames:
+            if kind == F.K_RESPONSE:
+                self._complete(rid, flags, payload, tensors)
+            elif kind == F.K_REQUEST:
+                work.append((self._serve, (conn, rid, payload, tensors)))
+            elif kind == F.K_GOODBYE:
+                pass
+            else:
+                raise ser_protocol_error(kind)
+        if work:
+            with self._stats_lock:
+                self._received += len(work)
+            self._pool.submit_many(work)
+
+    def _complete(self, rid: int, flags: int, payload, tensors) -> None:
+        entry = self._pending.pop(rid, None)
+        if entry is None:
+            return  # reply to a call that already timed out: dropped quietly
+        fut, tick, peer = entry[0], entry[1], entry[2]
+        if tick is not None:
+            self._timer.cancel(rid, tick)
+        if flags & F.F_ERROR:
+            fut.set_exception(ser.loads_exception(payload))
+        else:
+            try:
+                value = ser.loads(payload, tensors)
+            except SerializationError as exc:
+                fut.set_exception(SerializationError(
+                    f"cannot decode the reply from {self._peers[peer].info.name}: {exc}"))
+            else:
+                fut.set_result(value)
+        if self._draining:
+            self._note_idle()
+
+    def _serve(self, conn, rid: int, payload, tensors) -> None:
+        """Pool thread: run one request and reply."""
+        try:
+            func, args, kwargs = ser.loads(payload, tensors)
+        except Exception as exc:
+            self._reply_error(conn, rid, exc, "")
+            return
+        try:
+            if getattr(func, "_wrapped_async_rpc_function", None) is not None:
+                fut = func(*(args or ()), **(kwargs or {}))
+                if not isinstance(fut, torch._C.Future):
+                    raise TypeError(
+                        f"Functions decorated with @rpc.functions.async_execution must return a "
+                        f"torch.futures.Future, but {_func_name(func)} returned "
+                        f"{type(fut).__name__}")
+                fut.add_done_callback(lambda f: self._reply_future(conn, rid, f))
+                return
+            result = func(*(args or ()), **(kwargs or {}))
+        except Exception as exc:
+            self._reply_error(conn, rid, exc, traceback.format_exc())
+            return
+        self._reply_value(conn, rid, result)
+
+    def _reply_future(self, conn, rid: int, fut) -> None:
+        if _threads.in_io_thread():
+            self._pool.submit(self._reply_future, conn, rid, fut)
+            return
+        try:
+            value = fut.wait()
+        except Exception as exc:
+            self._reply_error(conn, rid, exc, traceback.format_exc())
+            return
+        self._reply_value(conn, rid, value)
+
+    def _reply_value(self, conn, rid: int, value) -> None:
+        try:
+            payload, tensors = ser.dumps(value)
+        except SerializationError as exc:
+            self._reply_error(conn, rid, SerializationError(
+                f"the return value could not be serialized: {exc}"), "")
+            return
+        try:
+            conn.send_frame(F.K_RESPONSE, 0, rid, payload, tensors)
+        except ConnectionClosedError:
+            log.debug("torchwire: reply %d to rank %s dropped: connection closed", rid,
+                      conn.peer_rank)
+
+    def _reply_error(self, conn, rid: int, exc: BaseException, tb: str) -> None:
+        payload = ser.dumps_exception(exc, self._desc, tb)
+        try:
+            conn.send_frame(F.K_RESPONSE, F.F_ERROR, rid, payload)
+        except ConnectionClosedError:
+            log.debug("torchwire: error reply %d dropped: connection closed", rid)
+
+    # ------------------------------------------------------------------ connections
+
+    def _on_accept(self, sock: socket.socket, transport: str) -> None:
+        """Handshake thread: authenticate the peer, then serve as its reader."""
+        try:
+            rank = server_handshake(sock, self.rank, self._job, self.world_size)
+        except EOFError:
+            sock.close()  # a liveness probe, or a peer that gave up: nothing to report
+            return
+        except Exception as exc:
+            log.warning("torchwire: %s refused a %s connection: %s", self.name, transport, exc)
+            try:
+                sock.close()
+            except OSError:
+                pass
+            return
+        conn = Connection(sock, rank, self._on_frames, self._on_close,
+                          max_message_size=self.max_message_size, initiated=False,
+                          transport=transport)
+        with self._conn_lock:
+            if self.state is AgentState.CLOSED:
+                conn.close()
+            self._incoming.add(conn)
+        conn._read_loop()
+
+    def _on_close(self, conn, exc) -> None:
+        """Reader thread, once per connection: fail what depended on it."""
+        with self._conn_lock:
+            self._incoming.discard(conn)
+        peer = self._peers[conn.peer_rank]
+        if peer.out is conn:
+            with peer.lock:
+                if peer.out is conn:
+                    peer.out = None
+        if conn.initiated:
+            why = f"connection lost ({exc})" if exc is not None else "connection closed"
+            if self.state is AgentState.CLOSED:
+                err: BaseException = RpcStateError("RPC agent is shut down")
+            else:
+                err = self._unavailable(conn.peer_rank, why)
+            for rid in [rid for rid, e in list(self._pending.items()) if e[3] is conn]:
+                self._fail(rid, err)
+        if exc is not None and self.state is AgentState.RUNNING and not conn.goodbye_received:
+            log.warning("torchwire: %s lost its connection to %s: %s", self.name,
+                        peer.info.name, exc)
+
+    # ------------------------------------------------------------------ shutdown
+
+    def shutdown(self, graceful: bool, timeout: float) -> None:
+        """Stop the agent; see the module docstring for the graceful protocol.
+
+        Raises:
+            RpcTimeoutError: graceful shutdown did not complete within ``timeout``
+                (the local shutdown still happens).
+        """
+        if self.state is AgentState.CLOSED:
+            return
+        error = None
+        if graceful:
+            self.state = AgentState.DRAINING
+            try:
+                self._drain(time.monotonic() + timeout)
+            except RpcTimeoutError as exc:
+                error = exc
+        self._close_local()
+        if error is not None:
+            raise error
+
+    def _wait_idle(self, deadline: float) -> bool:
+        with self._idle:
+            self._draining = True
+            while self._pending:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._idle.wait(min(left, 0.1))
+        return True
+
+    def _drain(self, deadline: float) -> None:
+        store, world = self.store, self.world_size
+        previous = None
+        for r in itertools.count():
+            if not self._wait_idle(deadline):
+                raise RpcTimeoutError(
+                    f"graceful shutdown of {self.name} timed out: {len(self._pending)} call(s) "
+                    "still pending")
+            with self._stats_lock:
+                mine = f"{self._sent},{self._received}"
+            keys = [f"sd/{r}/{k}" for k in range(world)]
+            try:
+                store.set(keys[self.rank], mine)
+            except Exception as exc:
+                raise RpcTimeoutError(f"graceful shutdown of {self.name} failed: the "
+                                      f"rendezvous store is gone ({exc})") from exc
+            values = self._gather(keys, deadline)
+            counts = [tuple(int(x) for x in v.decode().split(",")) for v in values]
+            sent = sum(c[0] for c in counts)
+            recv = sum(c[1] for c in counts)
+            if sent == recv and counts == previous:
+                break
+            previous = counts
+        # Exit barrier: rank 0 may host the store, so it leaves last.
+        store.set(f"sd/exit/{self.rank}", "1")
+        if self.rank == 0:
+            self._gather([f"sd/exit/{k}" for k in range(world)], deadline)
+
+    def _gather(self, keys: list[str], deadline: float) -> list[bytes]:
+        """Wait for one key per rank; between waits, check that missing ranks are alive.
+
+        Raises:
+            RpcTimeoutError: ``deadline`` passed, a missing worker is dead, or the
+                store is gone.
+        """
+        store = self.store
+        next_probe = time.monotonic() + _LIVENESS_PERIOD
+        delay = 0.001
+        while True:
+            try:
+                missing = [k for k, key in enumerate(keys) if not store.check([key])]
+                if not missing:
+                    return store.multi_get(keys)
+            except Exception as exc:
+                raise RpcTimeoutError(f"graceful shutdown of {self.name} failed: the "
+                                      f"rendezvous store is gone ({exc})") from exc
+            now = time.monotonic()
+            if now >= deadline:
+                raise RpcTimeoutError(
+                    f"graceful shutdown of {self.name} timed out waiting for the other "
+                    "workers to call shutdown()")
+            if now >= next_probe:
+                next_probe = now + _LIVENESS_PERIOD
+                dead = [k for k in missing if k != self.rank and not self._probe(k)]
+                if dead:
+                    names = ", ".join(self._peers[k].info.name for k in dead)
+                    raise RpcTimeoutError(
+                        f"graceful shutdown of {self.name} cannot wait for worker(s) {names}: "
+                        "they are gone")
+            # Polling the store (rather than store.wait) keeps torch's C++ layer from
+            # logging a timeout warning on every liveness period.
+            time.sleep(min(delay, max(0.0, deadline - now)))
+            delay = min(delay * 2, 0.02)
+
+    def _probe(self, rank: int) -> bool:
+        """Is ``rank``'s listener still there?  (A dead process refuses connections.)"""
+        rec = self._peers[rank].record
+        try:
+            if rec.get("host") == self._host and rec.get("unix"):
+                sock = connect_unix(rec["unix"], 2.0)
+            else:
+                sock = connect_tcp(rec["tcp"], 2.0)
+        except socket.timeout:
+            return True  # unreachable for now is not proof of death
+        except OSError:
+            return False
+        sock.close()
+        return True
+
+    def _close_local(self) -> None:
+        with self._conn_lock:
+            self.state = AgentState.CLOSED
+            conns = list(self._incoming)
+        self._listener.close()
+        for p in self._peers:
+            with p.lock:
+                if p.out is not None:
+                    conns.append(p.out)
+                    p.out = None
+        for c in conns:
+            c.send_goodbye()
+            c.close()
+        for c in conns:
+            c.join(2.0)
+        self._timer.stop()
+        err = RpcStateError("RPC agent is shut down before the call completed")
+        for rid in list(self._pending):
+            self._fail(rid, err)
+        self._pool.shutdown(5.0)
+
+
+def _unknown(what: str):
+    from ._errors import UnknownWorkerError
+    return UnknownWorkerError(f"Unknown destination worker {what}")
+
+
+def ser_protocol_error(kind: int):
+    from ._errors import ProtocolError
+    return ProtocolError(f"unexpected frame kind {kind} on an established connection")
+
+
+def _func_name(func) -> str:
+    mod = getattr(func, "__module__", None)
+    qual = getattr(func, "__qualname__", None) or getattr(func, "__name__", None) or repr(func)
+    return f"{mod}.{qual}" if mod else str(qual)
+
+
+__all__ = ["RpcAgent", "AgentState", "LoopbackConnection"]

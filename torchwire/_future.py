@@ -1,0 +1,59 @@
+"""The future type returned by ``rpc_async``.
+
+It is a :class:`torch.futures.Future` (so ``torch.futures.wait_all`` and
+``collect_all`` accept it), with one difference that matters for a transport:
+callbacks added with :meth:`then` or :meth:`add_done_callback` never run on a
+torchwire I/O thread.  If the future is completed by the reader or the timer,
+the callback is handed to the worker pool, so a slow or blocking callback
+cannot stall the wire.  Completed from any other thread, it runs inline as
+torch's future does.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+from . import _threads
+
+_dispatcher: Callable[[Callable, Any], None] | None = None
+
+
+def set_dispatcher(fn) -> None:
+    """Install the function that moves a callback off an I/O thread (the agent's pool)."""
+    global _dispatcher
+    _dispatcher = fn
+
+
+def _run_off_io(fn, arg) -> None:
+    if _threads.in_io_thread() and _dispatcher is not None:
+        _dispatcher(fn, arg)
+    else:
+        fn(arg)
+
+
+class Future(torch.futures.Future):
+    """A :class:`torch.futures.Future` whose callbacks stay off I/O threads."""
+
+    def then(self, callback):
+        child = Future()
+
+        def run(fut):
+            try:
+                child.set_result(callback(fut))
+            except Exception as exc:
+                child.set_exception(exc)
+
+        super().add_done_callback(lambda _f: _run_off_io(run, self))
+        return child
+
+    def add_done_callback(self, callback) -> None:
+        super().add_done_callback(lambda _f: _run_off_io(callback, self))
+
+    def wait(self):
+        pool = _threads.current_pool()
+        if pool is not None and not self.done():
+            with pool.blocking():
+                return super().wait()
+        return super().wait()

@@ -1,0 +1,122 @@
+"""The pool of threads that runs user functions and future callbacks.
+
+``num_worker_threads`` threads are the pool's core.  A pool thread that blocks
+on an RPC result (a nested ``rpc_sync``, or ``wait()`` on an RPC future) says so
+through :meth:`WorkerPool.blocking`; while it waits, the pool may start an extra
+thread so queued work keeps running.  That is what lets nested calls (a user
+function calling ``rpc_sync`` back to its caller) work with the default pool
+without deadlock.  Extra threads exit after a short idle period.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import logging
+import threading
+import time
+
+from . import _threads
+
+log = logging.getLogger("torchwire")
+
+_EXTRA_LIMIT = 512  # ceiling on compensating threads; each one stands for a blocked thread
+_EXTRA_IDLE_S = 2.0
+
+
+class WorkerPool:
+    """A thread pool with a FIFO queue and blocking compensation."""
+
+    def __init__(self, num_threads: int, name: str = "torchwire-pool") -> None:
+        if num_threads < 1:
+            raise ValueError(f"num_worker_threads must be >= 1, got {num_threads}")
+        self._core = num_threads
+        self._name = name
+        self._cond = threading.Condition(threading.Lock())
+        self._queue: collections.deque = collections.deque()
+        self._idle = 0
+        self._threads = 0
+        self._blocked = 0
+        self._stopping = False
+        self._all: list[threading.Thread] = []
+        self._seq = 0
+
+    def __repr__(self) -> str:
+        return (f"<WorkerPool {self._name} threads={self._threads} idle={self._idle} "
+                f"blocked={self._blocked} queued={len(self._queue)}>")
+
+    def submit(self, fn, *args) -> None:
+        with self._cond:
+            if self._stopping and self._threads == 0:
+                raise RuntimeError("pool is shut down")
+            self._queue.append((fn, args))
+            self._wake_locked(1)
+
+    def submit_many(self, items) -> None:
+        """Queue ``(fn, args)`` pairs with one lock round-trip."""
+        with self._cond:
+            self._queue.extend(items)
+            self._wake_locked(len(items))
+
+    def _wake_locked(self, n: int) -> None:
+        if self._idle:
+            self._cond.notify(min(n, self._idle))
+        # Start threads while work waits and fewer than `core` threads are runnable.
+        while (len(self._queue) > self._idle and self._threads - self._blocked < self._core
+               and self._threads < self._core + _EXTRA_LIMIT):
+            self._spawn_locked()
+
+    def _spawn_locked(self) -> None:
+        self._threads += 1
+        self._seq += 1
+        t = threading.Thread(target=self._run, name=f"{self._name}-{self._seq}", daemon=True)
+        self._all.append(t)
+        t.start()
+
+    @contextlib.contextmanager
+    def blocking(self):
+        """Declare that the calling pool thread is about to block on a remote result."""
+        with self._cond:
+            self._blocked += 1
+            if self._queue:
+                self._wake_locked(0)
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._blocked -= 1
+
+    def _run(self) -> None:
+        _threads.set_current_pool(self)
+        cond, queue = self._cond, self._queue
+        while True:
+            with cond:
+                while not queue:
+                    if self._stopping:
+                        self._threads -= 1
+                        return
+                    extra = self._threads - self._blocked > self._core
+                    self._idle += 1
+                    cond.wait(_EXTRA_IDLE_S if extra else None)
+                    self._idle -= 1
+                    if (not queue and extra and not self._stopping
+                            and self._threads - self._blocked > self._core):
+                        self._threads -= 1
+                        return
+                fn, args = queue.popleft()
+            try:
+                fn(*args)
+            except BaseException:  # a task must never kill a pool thread
+                log.exception("torchwire: uncaught error in pool task %r", fn)
+
+    def shutdown(self, timeout: float) -> None:
+        """Let queued work finish, then stop every thread (bounded by ``timeout``)."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+            threads = list(self._all)
+        deadline = time.monotonic() + timeout
+        me = threading.current_thread()
+        for t in threads:
+            if t is not me:
+                t.join(max(0.0, deadline - time.monotonic()))

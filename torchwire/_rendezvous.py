@@ -1,0 +1,199 @@
+"""Rendezvous: ``init_method`` -> a torch Store, then membership through it.
+
+Only torch's own stores are used (``TCPStore``, ``FileStore``).  Keys live under
+a prefix of their own, so a gloo process group may share the same store or
+``file://`` init file.  Records are JSON, never pickles: the store is reachable
+by anyone who can reach its port, and must not become a way to run code here.
+
+Join protocol (every rank, in this order)::
+
+    1. claim  "rank/<r>"   add(1) must return 1, else the rank is taken
+    2. rank 0 sets "job"   a random job token, checked in every connection handshake
+    3. publish "worker/<r>" {name, rank, host, tcp, unix, pid}
+    4. wait for "worker/0" .. "worker/<world-1>" (init timeout); report missing ranks
+    5. read all records; duplicate names are an error on every rank
+    6. add(1) to "read": rank 0 keeps its store alive until every rank has read
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import secrets
+import time
+import urllib.parse
+from datetime import timedelta
+
+import torch.distributed as dist
+
+from ._errors import RendezvousError
+
+PREFIX = "torchwire"
+_NAME_RE = re.compile(r"^[A-Za-z0-9_:\-]+$")
+MAX_NAME_LEN = 128
+
+
+def check_worker_name(name) -> None:
+    """Apply torch's rule for worker names.
+
+    Raises:
+        ValueError: not a string, empty, too long, or has characters outside
+            letters, digits, ``_``, ``-`` and ``:``.
+    """
+    if not isinstance(name, str):
+        raise ValueError(f"worker name must be a str, got {type(name).__name__}")
+    if not name or len(name) >= MAX_NAME_LEN or not _NAME_RE.match(name):
+        raise ValueError(
+            f"Worker name must match ^[A-Za-z0-9-_:]*$ and be 1 to {MAX_NAME_LEN - 1} "
+            f"characters long, got {name!r}")
+
+
+def _env_int(key: str, what: str) -> int:
+    value = os.environ.get(key)
+    if value is None:
+        raise ValueError(f"{what} was not given and environment variable {key} is not set")
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"environment variable {key}={value!r} is not an integer") from None
+
+
+def open_store(init_method: str, rank: int | None, world_size: int | None, timeout: float):
+    """Create the store an ``init_method`` names.
+
+    Returns:
+        ``(store, rank, world_size, store_host)``; ``store` is already prefixed.
+
+    Raises:
+        ValueError: malformed ``init_method``, missing environment, bad rank.
+        RendezvousError: the store could not be reached or created in time.
+    """
+    url = urllib.parse.urlparse(init_method)
+    query = dict(urllib.parse.parse_qsl(url.query))
+    if rank is None or rank < 0:
+        rank = int(query["rank"]) if "rank" in query else _env_int("RANK", "rank")
+    if world_size is None:
+        world_size = (int(query["world_size"]) if "world_size" in query
+                      else _env_int("WORLD_SIZE", "world_size"))
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} is outside the world of size {world_size} "
+                         f"(valid ranks: 0..{world_size - 1})")
+    td = timedelta(seconds=timeout)
+    prefix = PREFIX
+    if url.scheme in ("env", "tcp"):
+        if url.scheme == "env":
+            host = os.environ.get("MASTER_ADDR")
+            if not host:
+                raise ValueError("init_method env:// needs MASTER_ADDR in the environment")
+            port = _env_int("MASTER_PORT", "MASTER_PORT")
+        else:
+            if not url.hostname or url.port is None:
+                raise ValueError(f"init_method {init_method!r} must look like tcp://host:port")
+            host, port = url.hostname, url.port
+        if not 0 <= port < 65536:
+            raise ValueError(f"port must be in 0..65535, got {port}")
+        agent_store = (url.scheme == "env"
+                       and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True")
+        if agent_store:
+            # torchrun's agent hosts the store and outlives restarts: one key space per attempt
+            prefix = f"{PREFIX}/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+        is_master = rank == 0 and not agent_store
+        try:
+            store = dist.TCPStore(host, port, world_size, is_master, td,
+                                  wait_for_workers=False, multi_tenant=True)
+        except Exception as exc:
+            if is_master:
+                raise RendezvousError(
+                    f"rank 0 could not start the rendezvous store on {host}:{port}: {exc} "
+                    "(is the port taken, or is another process also rank 0?)") from exc
+            raise RendezvousError(
+                f"rank {rank} could not reach the rendezvous store at {host}:{port} within "
+                f"{timeout:g}s: {exc} (is rank 0 running, and MASTER_ADDR/MASTER_PORT right?)"
+            ) from exc
+        store_host = host
+    elif url.scheme == "file":
+        path = url.path
+        if not path:
+            raise ValueError(f"init_method {init_method!r} must look like file:///path")
+        try:
+            store = dist.FileStore(path, world_size)
+        except Exception as exc:
+            raise RendezvousError(f"cannot open file store {path}: {exc}") from exc
+        store.set_timeout(td)
+        store_host = None
+    else:
+        raise ValueError(f"unsupported init_method {init_method!r}: use env://, tcp://host:port "
+                         "or file:///path")
+    return dist.PrefixStore(prefix, store), rank, world_size, store_host
+
+
+def join(store, rank: int, world_size: int, record: dict, timeout: float
+         ) -> tuple[list[dict], bytes]:
+    """Publish this worker and wait for everyone else (see the module docstring).
+
+    Returns:
+        ``(records, job_token)`` with ``records[r]`` the record of rank ``r``.
+
+    Raises:
+        RendezvousError: rank taken, duplicate names, peers missing after ``timeout``.
+    """
+    deadline = time.monotonic() + timeout
+    try:
+        claims = store.add(f"rank/{rank}", 1)
+    except Exception as exc:
+        raise RendezvousError(f"rendezvous store failed: {exc}") from exc
+    if claims != 1:
+        raise RendezvousError(
+            f"rank {rank} is already taken by another process in this job "
+            f"(two workers were started with rank={rank})")
+    if rank == 0:
+        store.set("job", secrets.token_hex(16))
+    store.set(f"worker/{rank}", json.dumps(record))
+    keys = [f"worker/{r}" for r in range(world_size)] + ["job"]
+    try:
+        store.wait(keys, timedelta(seconds=max(0.001, deadline - time.monotonic())))
+    except Exception as exc:
+        missing = []
+        for r, key in enumerate(keys[:-1]):
+            try:
+                if not store.check([key]):
+                    missing.append(r)
+            except Exception:
+                missing.append(r)
+        raise RendezvousError(
+            f"worker(s) with rank {missing} did not join within the init timeout of "
+            f"{timeout:g}s (world_size={world_size}); check that every process was started "
+            f"with the same init_method and world_size") from exc
+    values = store.multi_get(keys)
+    records = [json.loads(v) for v in values[:-1]]
+    job = bytes.fromhex(values[-1].decode())
+    store.add("read", 1)
+    by_name: dict[str, list[int]] = {}
+    for r in records:
+        by_name.setdefault(r["name"], []).append(r["rank"])
+    dups = {n: rs for n, rs in by_name.items() if len(rs) > 1}
+    if dups:
+        if rank == 0:
+            wait_count(store, "read", world_size, deadline)
+        name, ranks = next(iter(dups.items()))
+        raise RendezvousError(f"worker name {name!r} is used by ranks {ranks}: "
+                              "every worker needs a unique name")
+    return records, job
+
+
+def wait_count(store, key: str, target: int, deadline: float) -> bool:
+    """Wait until counter ``key`` reaches ``target`` or ``deadline`` passes."""
+    delay = 0.001
+    while True:
+        try:
+            if store.add(key, 0) >= target:
+                return True
+        except Exception:
+            return False
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(delay)
+        delay = min(delay * 2, 0.05)

@@ -1,0 +1,229 @@
+"""Messages to (payload bytes, tensor table) and back.
+
+A pickler lifts every tensor out of the pickle stream (TensorPipe's payload +
+tensor-table split): the stream keeps only each tensor's metadata and its index
+in the table; the table's raw bytes travel as separate buffers.  A view sends
+only its own elements (``numel * itemsize`` bytes), never its whole storage.
+On the receiving side the transport reads each buffer straight into a freshly
+allocated ``uint8`` tensor and the unpickler re-types it in place
+(``view(dtype).view(shape)``): no copy after the bytes leave the socket.
+
+Hooks: later layers (RRefs, distributed autograd) register reducers for their
+own types with :func:`register_reducer`, and may wrap received tensors through
+the thread-local unpickling context; the agent never imports them.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib
+import io
+import pickle
+import threading
+from typing import Any, Callable
+
+import torch
+
+from ._errors import RemoteError, SerializationError
+
+_PROTOCOL = pickle.HIGHEST_PROTOCOL
+_tls = threading.local()
+
+# type -> reducer(obj) returning a pickle reduce tuple; consulted for exact type first.
+_extra_reducers: dict[type, Callable[[Any], Any]] = {}
+
+
+def register_reducer(cls: type, reducer: Callable[[Any], Any]) -> None:
+    """Make the RPC pickler reduce instances of ``cls`` (and subclasses) with ``reducer``."""
+    _extra_reducers[cls] = reducer
+
+
+def byte_view(t: torch.Tensor, nbytes: int) -> memoryview:
+    """A writable byte memoryview over the first ``nbytes`` of ``t``'s data.
+
+    The view does not keep ``t`` alive: the caller must hold ``t`` while the
+    view is in use.
+    """
+    if nbytes == 0:
+        return memoryview(bytearray(0))
+    return memoryview((ctypes.c_ubyte * nbytes).from_address(t.data_ptr())).cast("B")
+
+
+def tensor_nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+# --------------------------------------------------------------------------- pickling
+
+
+def _rebuild_tensor(index: int, dtype: torch.dtype, shape: tuple, requires_grad: bool,
+                    cls: type | None):
+    raw: torch.Tensor = _tls.tensors[index]
+    t = raw.view(dtype) if dtype is not torch.uint8 else raw
+    t = t.view(shape)
+    if cls is torch.nn.Parameter:
+        return torch.nn.Parameter(t, requires_grad=requires_grad)
+    if requires_grad:
+        t.requires_grad_(True)
+    if cls is not None:
+        t = t.as_subclass(cls)
+    hook = getattr(_tls, "recv_hook", None)
+    if hook is not None:
+        t = hook(t)
+    return t
+
+
+def _rebuild_sparse_coo(indices, values, size, coalesced: bool, requires_grad: bool):
+    t = torch.sparse_coo_tensor(indices, values, size, is_coalesced=coalesced)
+    if requires_grad:
+        t.requires_grad_(True)
+    return t
+
+
+def _load_script_function(module: str, name: str):
+    return getattr(importlib.import_module(module), name)
+
+
+class _RpcPickler(pickle.Pickler):
+    """Pickler that moves tensors to a side table and knows torchwire's special types."""
+
+    def __init__(self, file) -> None:
+        super().__init__(file, protocol=_PROTOCOL)
+        self.tensors: list[torch.Tensor] = []
+
+    def reducer_override(self, obj):  # noqa: C901 - one dispatch point, kept flat for speed
+        if isinstance(obj, torch.Tensor):
+            return self._reduce_tensor(obj)
+        if _extra_reducers:
+            reducer = _extra_reducers.get(type(obj))
+            if reducer is None:
+                for cls, fn in _extra_reducers.items():
+                    if isinstance(obj, cls):
+                        reducer = fn
+                        break
+            if reducer is not None:
+                return reducer(obj)
+        if isinstance(obj, torch.jit.ScriptFunction):
+            return self._reduce_script_function(obj)
+        if isinstance(obj, torch.futures.Future) or type(obj) is torch._C.Future:
+            raise SerializationError("Can not pickle torch.futures.Future")
+        return NotImplemented
+
+    def _reduce_tensor(self, t: torch.Tensor):
+        if t.is_sparse:
+            if t.requires_grad:
+                rg, t = True, t.detach()
+            else:
+                rg = False
+            return _rebuild_sparse_coo, (t._indices(), t._values(), tuple(t.shape),
+                                         t.is_coalesced(), rg)
+        if t.is_quantized:
+            raise SerializationError(
+                "quantized tensors are not supported by torchwire RPC; "
+                "send t.dequantize() or its int_repr() and scale/zero_point instead")
+        if t.layout is not torch.strided:
+            raise SerializationError(
+                f"tensors with layout {t.layout} are not supported; send t.to_dense()")
+        if t.device.type != "cpu":
+            raise SerializationError(
+                f"tensor on device {t.device} cannot be sent without a device map; "
+                "move it to the CPU first")
+        data = t.detach()
+        if not data.is_contiguous():
+            data = data.contiguous()
+        index = len(self.tensors)
+        self.tensors.append(data)
+        cls = type(t)
+        return _rebuild_tensor, (index, t.dtype, tuple(t.shape), t.requires_grad,
+                                 None if cls is torch.Tensor else cls)
+
+    @staticmethod
+    def _reduce_script_function(fn):
+        qual = fn.qualified_name  # "__torch__.<module path>.<name>"
+        parts = qual.split(".")
+        module = ".".join(parts[1:-1]) or "__main__"
+        return _load_script_function, (module, parts[-1])
+
+
+def dumps(obj: Any) -> tuple[bytes, list[torch.Tensor]]:
+    """Serialize ``obj``.
+
+    Returns:
+        ``(payload, tensors)``: the pickle stream and the contiguous CPU tensors
+        whose bytes must travel with it, in table order.
+
+    Raises:
+        SerializationError: ``obj`` (or something inside it) cannot be pickled.
+    """
+    f = io.BytesIO()
+    p = _RpcPickler(f)
+    try:
+        p.dump(obj)
+    except SerializationError:
+        raise
+    except Exception as exc:  # pickle raises PicklingError, TypeError, AttributeError...
+        raise SerializationError(f"cannot pickle {_short_type(obj)}: {exc}") from exc
+    return f.getvalue(), p.tensors
+
+
+def loads(payload, tensors: list[torch.Tensor], recv_hook=None) -> Any:
+    """Inverse of :func:`dumps`; ``tensors`` are the received ``uint8`` buffers.
+
+    Raises:
+        SerializationError: the payload cannot be unpickled here.
+    """
+    prev, prev_hook = getattr(_tls, "tensors", None), getattr(_tls, "recv_hook", None)
+    _tls.tensors, _tls.recv_hook = tensors, recv_hook
+    try:
+        return pickle.loads(payload)
+    except Exception as exc:
+        raise SerializationError(f"cannot unpickle message: {type(exc).__name__}: {exc}") from exc
+    finally:
+        _tls.tensors, _tls.recv_hook = prev, prev_hook
+
+
+def _short_type(obj: Any) -> str:
+    t = type(obj)
+    return f"{t.__module__}.{t.__qualname__}"
+
+
+# --------------------------------------------------------------------------- exceptions
+
+
+def dumps_exception(exc: BaseException, worker_desc: str, tb_text: str) -> bytes:
+    """Describe an exception with plain strings, so the caller can always decode it."""
+    cls = type(exc)
+    message = f"On {worker_desc}:\n{exc!r}\n{tb_text}"
+    return pickle.dumps((cls.__module__, cls.__qualname__, message, worker_desc, tb_text),
+                        protocol=_PROTOCOL)
+
+
+def loads_exception(payload) -> BaseException:
+    """Rebuild a remote exception: same type where possible, else :class:`RemoteError`."""
+    try:
+        module, qualname, message, worker_desc, tb_text = pickle.loads(payload)
+    except Exception as exc:
+        return RemoteError(f"undecodable remote error: {exc}")
+    cls: Any = None
+    try:
+        cls = importlib.import_module(module)
+        for part in qualname.split("."):
+            cls = getattr(cls, part)
+    except Exception:
+        cls = None
+    exc_obj: BaseException | None = None
+    if isinstance(cls, type) and issubclass(cls, BaseException):
+        try:
+            exc_obj = cls(message)
+        except Exception:
+            exc_obj = None
+    if exc_obj is None:
+        exc_obj = RemoteError(f"{module}.{qualname}: {message}", remote_type=f"{module}.{qualname}",
+                              worker_name=worker_desc, remote_traceback=tb_text)
+    else:
+        try:
+            exc_obj.remote_traceback = tb_text  # type: ignore[attr-defined]
+            exc_obj.worker_name = worker_desc  # type: ignore[attr-defined]
+        except Exception:
+            pass
+    return exc_obj

@@ -1,0 +1,25 @@
+"""Which kind of torchwire thread is running: I/O (never runs user code) or pool."""
+
+from __future__ import annotations
+
+import threading
+
+_local = threading.local()
+
+
+def mark_io_thread() -> None:
+    """Mark the calling thread as an I/O thread: user callbacks must leave it."""
+    _local.io = True
+
+
+def in_io_thread() -> bool:
+    return getattr(_local, "io", False)
+
+
+def set_current_pool(pool) -> None:
+    _local.pool = pool
+
+
+def current_pool():
+    """The pool the calling thread belongs to, or ``None``."""
+    return getattr(_local, "pool", None)

@@ -1,0 +1,90 @@
+"""One timer thread for every call's deadline.
+
+Deadlines are grouped in buckets of ``GRANULARITY`` seconds, so registering and
+cancelling are O(1) set operations and completed calls leave nothing behind
+(a plain heap of deadlines would keep one stale entry per finished call until
+its deadline passed).  A call expires at most one bucket late.
+"""
+
+from __future__ import annotations
+
+import heapq
+import logging
+import math
+import threading
+import time
+
+from . import _threads
+
+log = logging.getLogger("torchwire")
+
+GRANULARITY = 0.05
+
+
+class DeadlineTimer:
+    """Calls ``on_expire(keys)`` from its own thread when deadlines pass."""
+
+    def __init__(self, on_expire, name: str = "torchwire-timer") -> None:
+        self._on_expire = on_expire
+        self._cond = threading.Condition(threading.Lock())
+        self._buckets: dict[int, set] = {}
+        self._heap: list[int] = []
+        self._sleep_until = math.inf
+        self._stopped = False
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def add(self, key, deadline: float) -> int:
+        """Register ``key`` to expire at monotonic time ``deadline``; returns its bucket."""
+        tick = math.ceil(deadline / GRANULARITY)
+        with self._cond:
+            bucket = self._buckets.get(tick)
+            if bucket is None:
+                bucket = self._buckets[tick] = set()
+                heapq.heappush(self._heap, tick)
+                if tick * GRANULARITY < self._sleep_until:
+                    self._cond.notify()
+            bucket.add(key)
+        return tick
+
+    def cancel(self, key, tick: int) -> None:
+        with self._cond:
+            bucket = self._buckets.get(tick)
+            if bucket is not None:
+                bucket.discard(key)
+
+    def __len__(self) -> int:
+        with self._cond:
+            return sum(len(b) for b in self._buckets.values())
+
+    def _run(self) -> None:
+        _threads.mark_io_thread()
+        cond = self._cond
+        while True:
+            with cond:
+                if self._stopped:
+                    return
+                now = time.monotonic()
+                expired: list = []
+                heap = self._heap
+                while heap and heap[0] * GRANULARITY <= now:
+                    bucket = self._buckets.pop(heapq.heappop(heap), None)
+                    if bucket:
+                        expired.extend(bucket)
+                if not expired:
+                    wait = heap[0] * GRANULARITY - now if heap else 1.0
+                    self._sleep_until = now + wait
+                    cond.wait(wait)
+                    self._sleep_until = math.inf
+                    continue
+            try:
+                self._on_expire(expired)
+            except Exception:
+                log.exception("torchwire: error while expiring calls")
+
+    def stop(self) -> None:
+        with self._cond:
+            self._stopped = True
+            self._cond.notify()
+        if threading.current_thread() is not self._thread:
+            self._thread.join(2.0)

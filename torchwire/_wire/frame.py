@@ -1,0 +1,107 @@
+"""Frame codec.
+
+Every message on a torchwire connection is one frame::
+
+    +-------+---------+------+-------+------------+-------------+-------+----------+
+    | magic | version | kind | flags | request id | payload len | nbufs | reserved |
+    |  2 B  |   1 B   | 1 B  |  4 B  |    8 B     |     8 B     |  4 B  |   4 B    |
+    +-------+---------+------+-------+------------+-------------+-------+----------+
+    | nbufs x 8 B buffer lengths | payload (pickle stream) | buffer 0 | buffer 1 | ...
+
+All integers are little-endian.  The payload is the pickle stream with every
+tensor lifted out of it (the payload + tensor-table split TensorPipe uses); the
+buffers are the raw bytes of those tensors, in table order, so the receiver can
+read each one straight into freshly allocated tensor storage.
+
+Lengths are checked against limits before anything is allocated, so a peer
+cannot make us reserve memory it never sends.
+"""
+
+from __future__ import annotations
+
+import enum
+import struct
+
+from .._errors import ProtocolError
+
+MAGIC = b"TW"
+VERSION = 1
+
+HEADER = struct.Struct("<2sBBIQQII")
+HEADER_SIZE = HEADER.size  # 32
+BUFLEN = struct.Struct("<Q")
+
+# Defaults for the limits a reader enforces; the agent passes its options.
+DEFAULT_MAX_MESSAGE_SIZE = 1 << 40  # 1 TiB: effectively "what the process can hold"
+MAX_BUFFERS = 1 << 20
+
+
+class Kind(enum.IntEnum):
+    """What a frame carries.  Values are part of the wire format."""
+
+    HELLO = 1  # connection opening: who I am, which job
+    HELLO_ACK = 2  # acceptance of a HELLO
+    REQUEST = 3  # run a function, reply expected
+    RESPONSE = 4  # reply to REQUEST with the same request id
+    GOODBYE = 5  # orderly close: the sender will send nothing more
+    CONTROL = 6  # internal one-way message (rref / autograd / membership)
+
+
+class Flags(enum.IntFlag):
+    NONE = 0
+    ERROR = 1  # RESPONSE carries an exception description, not a value
+
+
+# Plain ints for the hot path (enum attribute access costs a dict lookup).
+K_HELLO = int(Kind.HELLO)
+K_HELLO_ACK = int(Kind.HELLO_ACK)
+K_REQUEST = int(Kind.REQUEST)
+K_RESPONSE = int(Kind.RESPONSE)
+K_GOODBYE = int(Kind.GOODBYE)
+K_CONTROL = int(Kind.CONTROL)
+F_ERROR = int(Flags.ERROR)
+_KINDS = frozenset(int(k) for k in Kind)
+
+
+def encode_header(kind: int, flags: int, request_id: int, payload_len: int,
+                  buffer_lens: list[int]) -> bytes:
+    """Return header + buffer-length table as one bytes object."""
+    head = HEADER.pack(MAGIC, VERSION, kind, flags, request_id, payload_len,
+                       len(buffer_lens), 0)
+    if not buffer_lens:
+        return head
+    return head + struct.pack(f"<{len(buffer_lens)}Q", *buffer_lens)
+
+
+def decode_header(data, max_message_size: int = DEFAULT_MAX_MESSAGE_SIZE
+                  ) -> tuple[int, int, int, int, int]:
+    """Parse the fixed header.
+
+    Returns:
+        ``(kind, flags, request_id, payload_len, nbufs)``.
+
+    Raises:
+        ProtocolError: wrong magic or version, unknown kind, absurd lengths.
+    """
+    magic, version, kind, flags, rid, plen, nbufs, _ = HEADER.unpack_from(data)
+    if magic != MAGIC:
+        raise ProtocolError(f"bad magic {bytes(magic)!r} (not a torchwire peer?)")
+    if version != VERSION:
+        raise ProtocolError(f"unsupported protocol version {version} (this side speaks {VERSION})")
+    if kind not in _KINDS:
+        raise ProtocolError(f"unknown frame kind {kind}")
+    if plen > max_message_size:
+        raise ProtocolError(f"payload of {plen} bytes exceeds max message size {max_message_size}")
+    if nbufs > MAX_BUFFERS:
+        raise ProtocolError(f"{nbufs} buffers in one frame exceeds the limit {MAX_BUFFERS}")
+    return kind, flags, rid, plen, nbufs
+
+
+def decode_buffer_lens(data, nbufs: int, payload_len: int,
+                       max_message_size: int = DEFAULT_MAX_MESSAGE_SIZE) -> list[int]:
+    """Parse the buffer-length table and check the frame's total size."""
+    lens = list(struct.unpack_from(f"<{nbufs}Q", data)) if nbufs else []
+    total = payload_len + sum(lens)
+    if total > max_message_size:
+        raise ProtocolError(f"frame of {total} bytes exceeds max message size {max_message_size}")
+    return lens

@@ -1,0 +1,133 @@
+"""Listening sockets: TCP on the chosen interface, and a Unix socket for same-host peers.
+
+The Unix socket lives in Linux's abstract namespace (no file to clean up; it is
+scoped to the network namespace, which is exactly "the same host" for us).
+Each accepted socket is handed to ``on_accept(sock, transport)`` on a thread of
+its own, so a slow or hostile peer in its handshake cannot block accepting.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import sys
+import threading
+import uuid
+
+log = logging.getLogger("torchwire")
+
+
+def _tune(sock: socket.socket, tcp: bool) -> None:
+    if tcp:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, opt, 4 * 1024 * 1024)
+        except OSError:
+            pass
+
+
+class Listener:
+    """Accepts connections on TCP and (on Linux) an abstract Unix socket."""
+
+    def __init__(self, host: str, port: int, *, unix: bool = True) -> None:
+        self._handler = None
+        self._handler_set = threading.Event()
+        self._closed = False
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self.tcp = socket.socket(family, socket.SOCK_STREAM)
+        self.tcp.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.tcp.bind((host, port))
+        self.tcp.listen(1024)
+        self.tcp_address = self.tcp.getsockname()[:2]
+        self.unix: socket.socket | None = None
+        self.unix_address: str | None = None
+        if unix and sys.platform.startswith("linux"):
+            name = f"\0torchwire-{os.getpid()}-{uuid.uuid4().hex}"
+            self.unix = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            self.unix.bind(name)
+            self.unix.listen(1024)
+            self.unix_address = name
+        self._threads = []
+        for sock, kind in ((self.tcp, "tcp"), (self.unix, "unix")):
+            if sock is not None:
+                t = threading.Thread(target=self._accept_loop, args=(sock, kind), daemon=True,
+                                     name=f"torchwire-accept-{kind}")
+                t.start()
+                self._threads.append(t)
+
+    def __repr__(self) -> str:
+        return f"<Listener tcp={self.tcp_address} unix={bool(self.unix)} closed={self._closed}>"
+
+    def _accept_loop(self, sock: socket.socket, kind: str) -> None:
+        while not self._closed:
+            try:
+                conn, _addr = sock.accept()
+            except OSError:
+                if self._closed:
+                    return
+                continue
+            _tune(conn, kind == "tcp")
+            threading.Thread(target=self._dispatch, args=(conn, kind), daemon=True,
+                             name="torchwire-handshake").start()
+
+    def set_handler(self, handler) -> None:
+        """Install ``handler(sock, transport)``; connections accepted earlier wait for it."""
+        self._handler = handler
+        self._handler_set.set()
+
+    def _dispatch(self, conn: socket.socket, kind: str) -> None:
+        # A peer may finish rendezvous and connect before this worker's agent exists.
+        if not self._handler_set.wait(30.0) or self._closed:
+            conn.close()
+            return
+        self._handler(conn, kind)
+
+    def close(self) -> None:
+        self._closed = True
+        for sock in (self.tcp, self.unix):
+            if sock is None:
+                continue
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            try:
+                sock.close()
+            except OSError:
+                pass
+        for t in self._threads:
+            t.join(2.0)
+
+
+def connect_tcp(address, timeout: float) -> socket.socket:
+    sock = socket.create_connection(tuple(address), timeout=timeout)
+    _tune(sock, True)
+    return sock
+
+
+def connect_unix(address: str, timeout: float) -> socket.socket:
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(timeout)
+    try:
+        sock.connect(address)
+    except OSError:
+        sock.close()
+        raise
+    _tune(sock, False)
+    return sock
+
+
+def host_identity() -> str:
+    """A string equal for two processes exactly when they share a kernel and network stack."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = socket.gethostname()
+    try:
+        netns = str(os.stat("/proc/self/ns/net").st_ino)
+    except OSError:
+        netns = "?"
+    return f"{boot}/{netns}"

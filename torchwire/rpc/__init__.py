@@ -1,0 +1,40 @@
+"""``torchwire.rpc``: a drop-in for ``torch.distributed.rpc``.
+
+Port a program by changing ``import torch.distributed.rpc as rpc`` to
+``import torchwire.rpc as rpc``.
+"""
+
+from __future__ import annotations
+
+from .._errors import (ConnectionClosedError, ProtocolError, RemoteError, RendezvousError,
+                       RpcStateError, RpcTimeoutError, SerializationError, TorchwireError,
+                       UnknownWorkerError, WorkerUnavailableError)
+from .._future import Future
+from .._worker_info import WorkerInfo
+from . import functions
+from ._api import (get_rpc_timeout, get_worker_info, init_rpc, is_available, rpc_async,
+                   rpc_sync, shutdown)
+from ._options import (DEFAULT_INIT_METHOD, DEFAULT_NUM_WORKER_THREADS, DEFAULT_RPC_TIMEOUT_SEC,
+                       DEFAULT_SHUTDOWN_TIMEOUT, UNSET_RPC_TIMEOUT, BackendType,
+                       RpcBackendOptions, TensorPipeRpcBackendOptions,
+                       TorchwireRpcBackendOptions)
+
+__all__ = [
+    "init_rpc", "shutdown", "rpc_sync", "rpc_async", "get_worker_info", "get_rpc_timeout",
+    "is_available", "WorkerInfo", "BackendType", "functions", "Future",
+    "TorchwireRpcBackendOptions", "TensorPipeRpcBackendOptions", "RpcBackendOptions",
+    "DEFAULT_INIT_METHOD", "DEFAULT_NUM_WORKER_THREADS", "DEFAULT_RPC_TIMEOUT_SEC",
+    "DEFAULT_SHUTDOWN_TIMEOUT", "UNSET_RPC_TIMEOUT",
+    "TorchwireError", "RpcStateError", "RendezvousError", "WorkerUnavailableError",
+    "RpcTimeoutError", "ProtocolError", "ConnectionClosedError", "SerializationError",
+    "RemoteError", "UnknownWorkerError",
+]
+
+for _name in __all__:
+    _obj = globals()[_name]
+    if hasattr(_obj, "__module__") and isinstance(_obj, type):
+        try:
+            _obj.__module__ = __name__
+        except (AttributeError, TypeError):
+            pass
+del _name, _obj

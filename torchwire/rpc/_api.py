@@ -1,0 +1,260 @@
+"""The public RPC functions: validate, then call the agent."""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+import os
+import socket
+import threading
+
+from .. import _serialization  # noqa: F401 - registers nothing, kept for import order
+from .._agent import AgentState, RpcAgent
+from .._errors import RendezvousError, RpcStateError
+from .._future import Future
+from .._rendezvous import check_worker_name, join, open_store
+from .._wire.listener import Listener, host_identity
+from .._worker_info import WorkerInfo
+from ._options import (DEFAULT_SHUTDOWN_TIMEOUT, UNSET_RPC_TIMEOUT, BackendType,
+                       TorchwireRpcBackendOptions)
+
+log = logging.getLogger("torchwire")
+
+_agent: RpcAgent | None = None
+_init_lock = threading.Lock()
+
+
+def _require_agent() -> RpcAgent:
+    agent = _agent
+    if agent is None or agent.state is AgentState.CLOSED:
+        raise RpcStateError("RPC has not been initialized or has been shut down: "
+                            "call torchwire.rpc.init_rpc first")
+    return agent
+
+
+def _get_current_rpc_agent() -> RpcAgent:
+    return _require_agent()
+
+
+def is_available() -> bool:
+    """torchwire RPC is always available (it needs no special torch build)."""
+    return True
+
+
+def _listen_host(options, store_host: str | None) -> str:
+    explicit = getattr(options, "listen_addr", None) or os.environ.get("TORCHWIRE_LISTEN_ADDR")
+    if explicit:
+        return explicit
+    if store_host is None:
+        return "127.0.0.1"
+    try:
+        addr = socket.getaddrinfo(store_host, None, type=socket.SOCK_STREAM)[0][4][0]
+    except OSError:
+        return "127.0.0.1"
+    if ipaddress.ip_address(addr).is_loopback:
+        return "127.0.0.1" if ":" not in addr else "::1"
+    # The local address of the interface that routes to the store host (no packet is sent).
+    family = socket.AF_INET6 if ":" in addr else socket.AF_INET
+    with socket.socket(family, socket.SOCK_DGRAM) as probe:
+        try:
+            probe.connect((addr, 9))
+            return probe.getsockname()[0]
+        except OSError:
+            return "0.0.0.0"
+
+
+def init_rpc(name, backend=None, rank=-1, world_size=None, rpc_backend_options=None) -> None:
+    """Join the job as worker ``name`` and start serving RPCs.
+
+    Blocks until every worker of the job has joined (or the init timeout passes).
+
+    Args:
+        name: globally unique name (letters, digits, ``_``, ``-``, ``:``; < 128 chars).
+        backend: ``None`` or a :class:`BackendType` (all map to torchwire's backend).
+        rank: this worker's rank, ``0 <= rank < world_size``; taken from ``RANK`` if -1.
+        world_size: number of workers; taken from ``WORLD_SIZE`` if ``None``.
+        rpc_backend_options: a :class:`TorchwireRpcBackendOptions`.
+
+    Raises:
+        ValueError: bad name, rank or world size, or bad ``init_method``.
+        RendezvousError: duplicate name or rank, unreachable store, missing peers.
+        RpcStateError: RPC is already initialized in this process.
+
+    Example::
+
+        >>> # worker0                               # worker1
+        >>> rpc.init_rpc("worker0", rank=0,         rpc.init_rpc("worker1", rank=1,
+        ...              world_size=2)                           world_size=2)
+        >>> rpc.rpc_sync("worker1", torch.add,      rpc.shutdown()
+        ...              args=(torch.ones(2), 1))
+        >>> rpc.shutdown()
+    """
+    global _agent
+    check_worker_name(name)
+    if backend is not None and not isinstance(backend, BackendType):
+        raise TypeError(f"backend must be a torchwire.rpc.BackendType, got {backend!r}")
+    if rank is None:
+        rank = -1
+    if not isinstance(rank, int) or isinstance(rank, bool):
+        raise TypeError(f"rank must be an int, got {type(rank).__name__}")
+    if world_size is not None and (not isinstance(world_size, int) or world_size < 1):
+        raise ValueError(f"world_size must be a positive int, got {world_size!r}")
+    options = rpc_backend_options if rpc_backend_options is not None \
+        else TorchwireRpcBackendOptions()
+    options = _adopt_options(options)
+    with _init_lock:
+        if _agent is not None and _agent.state is not AgentState.CLOSED:
+            raise RpcStateError("RPC is already initialized in this process; "
+                                "call torchwire.rpc.shutdown() first")
+        timeout = options.init_timeout or options.rpc_timeout or 60.0
+        store, rank, world_size, store_host = open_store(options.init_method, rank,
+                                                         world_size, timeout)
+        listener = Listener(_listen_host(options, store_host), 0)
+        try:
+            record = {"name": name, "rank": rank, "host": host_identity(),
+                      "tcp": list(listener.tcp_address), "unix": listener.unix_address,
+                      "pid": os.getpid()}
+            records, job = join(store, rank, world_size, record, timeout)
+            agent = RpcAgent(name, rank, world_size, options, store, store_host, listener,
+                             records, job)
+        except BaseException:
+            listener.close()
+            raise
+        agent.start()
+        _agent = agent
+
+
+def _adopt_options(options):
+    """Accept torchwire's options, or any object with torch's option attributes."""
+    if isinstance(options, TorchwireRpcBackendOptions):
+        return options
+    try:
+        return TorchwireRpcBackendOptions(
+            num_worker_threads=getattr(options, "num_worker_threads", 16),
+            rpc_timeout=getattr(options, "rpc_timeout", 60.0),
+            init_method=getattr(options, "init_method", "env://"),
+            device_maps=getattr(options, "device_maps", None) or None,
+            devices=getattr(options, "devices", None) or None)
+    except AttributeError as exc:
+        raise TypeError(f"rpc_backend_options must be TorchwireRpcBackendOptions, got "
+                        f"{type(options).__name__}") from exc
+
+
+def shutdown(graceful: bool = True, timeout: float = DEFAULT_SHUTDOWN_TIMEOUT) -> None:
+    """Stop this worker's RPC agent.
+
+    With ``graceful=True`` (default) it blocks until every worker has called
+    ``shutdown`` and all outstanding work in the job has finished, then closes
+    everything.  ``graceful=False`` closes this worker at once.
+
+    Args:
+        graceful: wait for the other workers and for outstanding work.
+        timeout: bound on the graceful wait in seconds; 0 (default) waits as long as
+            the workers that have not arrived are alive (a dead worker ends the wait).
+
+    Raises:
+        RpcStateError: RPC is not initialized.
+        RpcTimeoutError: the graceful phase timed out or a worker died (the local
+            shutdown is still carried out).
+    """
+    global _agent
+    agent = _require_agent()
+    if timeout is None or timeout <= 0:
+        timeout = float("inf")
+    try:
+        agent.shutdown(graceful, timeout)
+    finally:
+        with _init_lock:
+            if _agent is agent:
+                _agent = None
+
+
+def get_worker_info(worker_name=None) -> WorkerInfo:
+    """:class:`WorkerInfo` of ``worker_name`` (a name or rank), or of this worker if ``None``.
+
+    Raises:
+        UnknownWorkerError: no worker has that name.
+        RpcStateError: RPC is not initialized.
+    """
+    return _require_agent().get_worker_info(worker_name)
+
+
+def get_rpc_timeout() -> float:
+    """The default timeout of calls, in seconds, as set by ``rpc_timeout``."""
+    return _require_agent().rpc_timeout
+
+
+def _resolve_timeout(agent: RpcAgent, timeout) -> float:
+    if timeout is None or timeout == UNSET_RPC_TIMEOUT:
+        return agent.rpc_timeout
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
+        raise TypeError(f"timeout must be a number of seconds, got {type(timeout).__name__}")
+    if timeout < 0:
+        raise ValueError(f"timeout must be >= 0 seconds (0 = no limit) or -1 for the default, "
+                         f"got {timeout}")
+    return float(timeout)
+
+
+def _invoke(to, func, args, kwargs, timeout) -> Future:
+    agent = _require_agent()
+    if not callable(func):
+        raise TypeError(f"func must be callable, got {type(func).__name__}")
+    if args is not None and not isinstance(args, tuple):
+        args = tuple(args)
+    if kwargs is not None and not isinstance(kwargs, dict):
+        raise TypeError(f"kwargs must be a dict, got {type(kwargs).__name__}")
+    info = to if isinstance(to, WorkerInfo) and 0 <= to.id < agent.world_size else \
+        agent.get_worker_info(to)
+    return agent.call(info, func, args, kwargs, _resolve_timeout(agent, timeout))
+
+
+def rpc_async(to, func, args=None, kwargs=None, timeout=UNSET_RPC_TIMEOUT) -> Future:
+    """Run ``func(*args, **kwargs)`` on worker ``to``; return a future of the result.
+
+    Args:
+        to: destination worker's name, rank or :class:`WorkerInfo`.
+        func: a picklable callable: Python function, builtin, torch op, or
+            ``@torch.jit.script`` function.
+        args, kwargs: its arguments.
+        timeout: seconds; -1 uses the default ``rpc_timeout``, 0 means no limit.
+
+    Returns:
+        A :class:`torch.futures.Future` that completes with the return value,
+        or with the remote exception (same type, message, remote worker and
+        traceback), a timeout error, or an error naming an unavailable worker.
+
+    Raises:
+        SerializationError: the arguments cannot be pickled (nothing was sent).
+        UnknownWorkerError: ``to`` is not a worker of this job.
+        RpcStateError: RPC is not initialized or was shut down.
+
+    Example::
+
+        >>> fut1 = rpc.rpc_async("worker1", torch.add, args=(torch.ones(2), 3))
+        >>> fut2 = rpc.rpc_async("worker1", min, args=(1, 2))
+        >>> fut1.wait() + fut2.wait()
+        tensor([5., 5.])
+    """
+    return _invoke(to, func, args, kwargs, timeout)
+
+
+def rpc_sync(to, func, args=None, kwargs=None, timeout=UNSET_RPC_TIMEOUT):
+    """Run ``func(*args, **kwargs)`` on worker ``to`` and return its result.
+
+    Same arguments as :func:`rpc_async`; blocks until the reply arrives.
+
+    Raises:
+        Exception: the remote function's exception, rebuilt with its type.
+        RpcTimeoutError: no reply within ``timeout`` ("RPC ran for more than set timeout").
+        WorkerUnavailableError: the destination is gone.
+        SerializationError, UnknownWorkerError, RpcStateError: as :func:`rpc_async`.
+
+    Example::
+
+        >>> rpc.rpc_sync("worker1", torch.add, args=(torch.ones(2), 3))
+        tensor([4., 4.])
+    """
+    return _invoke(to, func, args, kwargs, timeout).wait()
+
+
+_ = RendezvousError

@@ -1,0 +1,69 @@
+"""Backend options and the backend enum."""
+
+from __future__ import annotations
+
+import enum
+
+from .._wire.frame import DEFAULT_MAX_MESSAGE_SIZE
+
+DEFAULT_RPC_TIMEOUT_SEC = 60.0
+DEFAULT_INIT_METHOD = "env://"
+DEFAULT_NUM_WORKER_THREADS = 16
+UNSET_RPC_TIMEOUT = -1.0
+DEFAULT_SHUTDOWN_TIMEOUT = 0.0
+
+
+class BackendType(enum.Enum):
+    """RPC backends.  torchwire has one; ``TENSORPIPE`` names it for ported code."""
+
+    TORCHWIRE = "TORCHWIRE"
+    TENSORPIPE = "TORCHWIRE"  # alias: programs written for torch pass this
+
+
+class TorchwireRpcBackendOptions:
+    """Options for :func:`torchwire.rpc.init_rpc`; also exported as ``TensorPipeRpcBackendOptions``.
+
+    Args:
+        num_worker_threads: core threads of the pool that runs user functions (16).
+        rpc_timeout: default timeout of every call, in seconds; 0 means no limit (60).
+        init_method: ``env://``, ``tcp://host:port`` or ``file:///path`` ("env://").
+        device_maps, devices: accepted for compatibility; CUDA device maps are not
+            supported yet and a non-empty map is refused.
+        max_message_size: largest frame (payload + tensors) accepted from a peer, in bytes.
+        listen_addr: interface address to listen on; by default the one that routes to
+            the rendezvous host (``127.0.0.1`` when that is loopback or for ``file://``).
+        init_timeout: how long ``init_rpc`` waits for every worker; defaults to
+            ``rpc_timeout`` (or 60 s when that is 0).
+    """
+
+    def __init__(self, *, num_worker_threads: int = DEFAULT_NUM_WORKER_THREADS,
+                 rpc_timeout: float = DEFAULT_RPC_TIMEOUT_SEC,
+                 init_method: str = DEFAULT_INIT_METHOD, device_maps=None, devices=None,
+                 _transports=None, _channels=None,
+                 max_message_size: int = DEFAULT_MAX_MESSAGE_SIZE,
+                 listen_addr: str | None = None, init_timeout: float | None = None) -> None:
+        if not isinstance(num_worker_threads, int) or num_worker_threads < 1:
+            raise ValueError(f"num_worker_threads must be a positive int, got {num_worker_threads!r}")
+        if not isinstance(rpc_timeout, (int, float)) or rpc_timeout < 0:
+            raise ValueError(f"rpc_timeout must be >= 0 seconds (0 = no limit), got {rpc_timeout!r}")
+        if device_maps or devices:
+            raise ValueError("CUDA device maps are not supported by this torchwire version; "
+                             "move tensors to the CPU before sending them")
+        self.num_worker_threads = num_worker_threads
+        self.rpc_timeout = float(rpc_timeout)
+        self.init_method = init_method
+        self.device_maps = dict(device_maps or {})
+        self.devices = list(devices or [])
+        self._transports = _transports
+        self._channels = _channels
+        self.max_message_size = int(max_message_size)
+        self.listen_addr = listen_addr
+        self.init_timeout = init_timeout
+
+    def __repr__(self) -> str:
+        return (f"TorchwireRpcBackendOptions(num_worker_threads={self.num_worker_threads}, "
+                f"rpc_timeout={self.rpc_timeout}, init_method={self.init_method!r})")
+
+
+RpcBackendOptions = TorchwireRpcBackendOptions
+TensorPipeRpcBackendOptions = TorchwireRpcBackendOptions
