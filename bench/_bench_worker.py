@@ -1,0 +1,189 @@
+"""Child-process side of the benchmark.
+
+``child_main`` is the entry point of each of the two spawned processes of one
+round.  Rank 0 ("worker0") drives every metric against rank 1 ("worker1"),
+which only serves.  Results are streamed back to the parent through a
+multiprocessing queue as they are produced, so a round that later hangs or
+crashes still reports what it measured before.
+
+Messages put on the queue (all tuples, first item is the kind):
+  ("ready", rank, init_seconds)
+  ("metric", name, value, extra_dict)
+  ("note", text)
+  ("error", rank, where, text)
+  ("shutdown", rank, seconds)
+  ("done", rank)
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+import traceback
+
+LIB_MODULES = {
+    "torch": "torch.distributed.rpc",
+    "torchwire": "torchwire.rpc",
+}
+
+# (label, bytes) of the tensor-echo bandwidth sweep.
+ECHO_SIZES = [
+    ("1KiB", 1 << 10),
+    ("1MiB", 1 << 20),
+    ("16MiB", 16 << 20),
+    ("64MiB", 64 << 20),
+    ("256MiB", 256 << 20),
+]
+
+
+def _import_lib(lib: str):
+    import importlib
+
+    return importlib.import_module(LIB_MODULES[lib])
+
+
+def _percentile(sorted_vals, p):
+    if not sorted_vals:
+        return float("nan")
+    k = (len(sorted_vals) - 1) * p / 100.0
+    lo = int(k)
+    hi = min(lo + 1, len(sorted_vals) - 1)
+    return sorted_vals[lo] + (sorted_vals[hi] - sorted_vals[lo]) * (k - lo)
+
+
+def _median(vals):
+    s = sorted(vals)
+    return _percentile(s, 50)
+
+
+def _sync_latency(rpc, fn, args, n, warmup):
+    for _ in range(warmup):
+        rpc.rpc_sync("worker1", fn, args=args)
+    pc = time.perf_counter_ns
+    samples = []
+    append = samples.append
+    for _ in range(n):
+        t0 = pc()
+        rpc.rpc_sync("worker1", fn, args=args)
+        append(pc() - t0)
+    samples.sort()
+    return [s / 1e3 for s in samples]  # microseconds, sorted
+
+
+def _run_metrics(rpc, cfg, q):
+    import torch
+
+    from _bench_funcs import echo, noop
+
+    def metric(name, value, **extra):
+        q.put(("metric", name, value, extra))
+
+    # 1. rpc_sync no-op latency ---------------------------------------------
+    lat = _sync_latency(rpc, noop, (), cfg["sync_n"], cfg["sync_warmup"])
+    metric("sync_noop_median_us", _percentile(lat, 50), n=len(lat))
+    metric("sync_noop_p99_us", _percentile(lat, 99), n=len(lat))
+
+    # 2. rpc_sync echo of a 16-float tensor -----------------------------------
+    t16 = torch.randn(16)
+    back = rpc.rpc_sync("worker1", echo, args=(t16,))
+    if not (isinstance(back, torch.Tensor) and torch.equal(back, t16)):
+        raise AssertionError(f"16-float echo returned a wrong value: {back!r}")
+    lat = _sync_latency(rpc, echo, (t16,), cfg["sync_n"], cfg["sync_warmup"])
+    metric("sync_tensor16_median_us", _percentile(lat, 50), n=len(lat))
+
+    # 3. rpc_async throughput --------------------------------------------------
+    n_async = cfg["async_n"]
+    wait_all_failed = None
+
+    def wait_all(futs):
+        nonlocal wait_all_failed
+        if wait_all_failed is None:
+            try:
+                return torch.futures.wait_all(futs)
+            except TypeError as exc:  # futures are not torch.futures.Future
+                wait_all_failed = f"{type(exc).__name__}: {exc}"
+                q.put(("note", "torch.futures.wait_all rejected the returned futures "
+                       f"({wait_all_failed}); waited on each future individually"))
+        return [f.wait() for f in futs]
+
+    warm = [rpc.rpc_async("worker1", noop) for _ in range(cfg["async_warmup"])]
+    wait_all(warm)
+    rates = []
+    for _ in range(cfg["async_reps"]):
+        t0 = time.perf_counter()
+        futs = [rpc.rpc_async("worker1", noop) for _ in range(n_async)]
+        wait_all(futs)
+        dt = time.perf_counter() - t0
+        rates.append(n_async / dt)
+        del futs
+    metric("async_noop_calls_per_s", _median(rates), reps=[round(r) for r in rates],
+           n=n_async)
+
+    # 4. tensor echo bandwidth ------------------------------------------------
+    for label, nbytes in ECHO_SIZES:
+        iters = cfg["echo_iters"][label]
+        x = torch.randn(nbytes // 4)
+        for _ in range(cfg["echo_warmup"]):
+            y = rpc.rpc_sync("worker1", echo, args=(x,))
+        if not (isinstance(y, torch.Tensor) and y.shape == x.shape and torch.equal(y, x)):
+            raise AssertionError(f"{label} echo returned a wrong value")
+        del y
+        times = []
+        for _ in range(iters):
+            t0 = time.perf_counter()
+            y = rpc.rpc_sync("worker1", echo, args=(x,))
+            times.append(time.perf_counter() - t0)
+            # Checked outside the timed region.
+            if y.numel() != x.numel():
+                raise AssertionError(f"{label} echo returned {y.numel()} elements")
+            del y
+        med = _median(times)
+        metric(f"echo_{label}_GBps", 2 * nbytes / med / 1e9, iters=iters,
+               median_s=med, times_s=[round(t, 6) for t in times])
+        del x
+
+
+def child_main(lib, rank, port, cfg, q):
+    """Entry point of one spawned benchmark process."""
+    bench_dir = os.path.dirname(os.path.abspath(__file__))
+    repo_root = os.path.dirname(bench_dir)
+    for p in (bench_dir, repo_root):
+        if p not in sys.path:
+            sys.path.insert(0, p)
+
+    where = "import"
+    try:
+        rpc = _import_lib(lib)
+        where = "init_rpc"
+        opts = rpc.TensorPipeRpcBackendOptions(
+            init_method=f"tcp://127.0.0.1:{port}",
+            num_worker_threads=16,
+            rpc_timeout=cfg["rpc_timeout"],
+        )
+        t0 = time.perf_counter()
+        rpc.init_rpc(f"worker{rank}", rank=rank, world_size=2, rpc_backend_options=opts)
+        q.put(("ready", rank, time.perf_counter() - t0))
+        if rank == 0:
+            where = "metrics"
+            _run_metrics(rpc, cfg, q)
+        where = "shutdown"
+        t0 = time.perf_counter()
+        rpc.shutdown()
+        q.put(("shutdown", rank, time.perf_counter() - t0))
+        q.put(("done", rank))
+    except BaseException as exc:  # report everything, including KeyboardInterrupt
+        tb = traceback.format_exc(limit=8)
+        q.put(("error", rank, where, f"{type(exc).__name__}: {exc}\n{tb}"))
+        # Give the queue's feeder thread a chance to flush before exiting.
+        try:
+            q.close()
+            q.join_thread()
+        except Exception:
+            pass
+        os._exit(1)
+    try:
+        q.close()
+        q.join_thread()
+    except Exception:
+        pass

@@ -1,0 +1,16 @@
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from _cluster import World  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def world():
+    """Four workers (worker0..worker3) shared by the tests that only make calls."""
+    w = World(4)
+    yield w
+    w.close()

@@ -1,0 +1,538 @@
+"""Remote execution: rpc_sync / rpc_async, targets, futures, errors, threads."""
+
+from __future__ import annotations
+
+import pickle
+import threading
+import time
+
+import pytest
+import torch
+
+import torchwire
+import torchwire.rpc as rpc
+from _cluster import run_world
+
+
+# ---------------------------------------------------------------- remote functions
+
+def add(a, b):
+    return a + b
+
+
+def noop():
+    return None
+
+
+def echo(x):
+    return x
+
+
+def raise_value_error(msg):
+    raise ValueError(msg)
+
+
+class CustomError(Exception):
+    def __init__(self, a, b):  # cannot be rebuilt from one message string
+        super().__init__(a, b)
+
+
+def raise_custom():
+    raise CustomError(1, 2)
+
+
+def return_unpicklable():
+    return threading.Lock()
+
+
+def whoami():
+    return rpc.get_worker_info().name
+
+
+def sleep_then(seconds, value):
+    time.sleep(seconds)
+    return value
+
+
+@torch.jit.script
+def script_add(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return x + y
+
+
+@rpc.functions.async_execution
+def async_add_chained(to, x, y, z):
+    return rpc.rpc_async(to, torch.add, args=(x, y)).then(lambda fut: fut.wait() + z)
+
+
+class AsyncExecutionClass:
+    @staticmethod
+    @rpc.functions.async_execution
+    def static_async_add(to, x, y, z):
+        return rpc.rpc_async(to, torch.add, args=(x, y)).then(lambda fut: fut.wait() + z)
+
+    @classmethod
+    @rpc.functions.async_execution
+    def class_async_add(cls, to, x, y, z):
+        ret_fut = torch.futures.Future()
+        rpc.rpc_async(to, torch.add, args=(x, y)).then(
+            lambda fut: ret_fut.set_result(fut.wait() + z))
+        return ret_fut
+
+
+@rpc.functions.async_execution
+def async_wrong_type():
+    return 42
+
+
+# ---------------------------------------------------------------- bodies (run on workers)
+
+def body_basic():
+    out = {}
+    out["name"] = rpc.rpc_sync("worker1", torch.add, args=(torch.ones(2), 3))
+    out["rank"] = rpc.rpc_sync(1, add, args=(2, 3))
+    info = rpc.get_worker_info("worker2")
+    out["info"] = rpc.rpc_sync(info, whoami)
+    out["kwargs"] = rpc.rpc_sync("worker1", add, kwargs={"a": 1, "b": 2})
+    out["builtin"] = rpc.rpc_sync("worker1", max, args=(3, 9, 4))
+    out["script"] = rpc.rpc_sync("worker3", script_add, args=(torch.ones(2), torch.ones(2)))
+    out["self"] = rpc.rpc_sync("worker0", add, args=(1, 1))
+    return out
+
+
+def test_rpc_sync_targets_and_destinations(world):
+    out = world.run(0, body_basic)
+    assert torch.equal(out["name"], torch.full((2,), 4.0))
+    assert out["rank"] == 5
+    assert out["info"] == "worker2"
+    assert out["kwargs"] == 3
+    assert out["builtin"] == 9
+    assert torch.equal(out["script"], torch.full((2,), 2.0))
+    assert out["self"] == 2
+
+
+def body_futures():
+    fut = rpc.rpc_async("worker1", add, args=(1, 2))
+    assert isinstance(fut, torch.futures.Future)
+    chained = fut.then(lambda f: f.value() * 10)
+    assert fut.wait() == 3
+    assert fut.done() and fut.value() == 3
+    assert chained.wait() == 30
+    seen = []
+    done = threading.Event()
+
+    def cb(f):
+        seen.append((f.value(), threading.current_thread().name))
+        done.set()
+
+    rpc.rpc_async("worker2", sleep_then, args=(0.05, "late")).add_done_callback(cb)
+    assert done.wait(10)
+    futs = [rpc.rpc_async(f"worker{1 + i % 3}", add, args=(i, i)) for i in range(30)]
+    assert torch.futures.wait_all(futs) == [2 * i for i in range(30)]
+    collected = torch.futures.collect_all(futs).wait()
+    return seen, [f.value() for f in collected]
+
+
+def test_rpc_async_future_api(world):
+    seen, values = world.run(0, body_futures)
+    assert seen[0][0] == "late"
+    # completed by the reader thread: the callback must have been moved to the pool
+    assert "reader" not in seen[0][1]
+    assert values == [2 * i for i in range(30)]
+
+
+def body_async_execution():
+    x, y = torch.ones(2), torch.ones(2)
+    return [
+        rpc.rpc_sync("worker1", async_add_chained, args=("worker2", x, y, 1)),
+        rpc.rpc_sync("worker1", AsyncExecutionClass.static_async_add, args=("worker2", x, y, 2)),
+        rpc.rpc_sync("worker1", AsyncExecutionClass.class_async_add, args=("worker2", x, y, 3)),
+        rpc.rpc_async("worker1", async_add_chained, args=("worker0", x, y, 4)).wait(),
+    ]
+
+
+def test_async_execution_plain_static_class(world):
+    res = world.run(0, body_async_execution)
+    for value, z in zip(res, (1, 2, 3, 4)):
+        assert torch.equal(value, torch.full((2,), 2.0 + z))
+
+
+def body_async_wrong_type():
+    with pytest.raises(TypeError, match="must return a torch.futures.Future"):
+        rpc.rpc_sync("worker1", async_wrong_type)
+    return rpc.rpc_sync("worker1", add, args=(1, 1))
+
+
+def test_async_execution_must_return_future(world):
+    assert world.run(0, body_async_wrong_type) == 2
+
+
+# ---------------------------------------------------------------- errors
+
+def body_remote_exception():
+    try:
+        rpc.rpc_sync("worker1", raise_value_error, args=("Expected error",))
+    except ValueError as exc:
+        first = str(exc)
+    else:
+        raise AssertionError("no error")
+    fut = rpc.rpc_async("worker2", raise_custom)
+    try:
+        fut.wait()
+    except torchwire.RemoteError as exc:
+        second = (str(exc), exc.remote_type)
+    return first, second
+
+
+def test_remote_exception_type_message_worker_traceback(world):
+    first, (second, remote_type) = world.run(0, body_remote_exception)
+    assert "Expected error" in first
+    assert "worker1" in first
+    assert "Traceback" in first and "raise_value_error" in first
+    assert remote_type.endswith("CustomError")
+    assert "worker2" in second
+
+
+def body_unpicklable_args():
+    before = rpc.rpc_sync("worker1", _received_requests)
+    with pytest.raises(torchwire.SerializationError):
+        rpc.rpc_async("worker1", echo, args=(threading.Lock(),))
+    with pytest.raises(torchwire.SerializationError):
+        rpc.rpc_sync("worker1", echo, args=(lambda: 1,))
+    after = rpc.rpc_sync("worker1", _received_requests)
+    return before, after
+
+
+def _received_requests():
+    from torchwire.rpc._api import _get_current_rpc_agent
+    return _get_current_rpc_agent()._received
+
+
+def test_unpicklable_arguments_fail_before_sending(world):
+    before, after = world.run(0, body_unpicklable_args)
+    assert after == before + 1  # only the second counting call itself arrived
+
+
+def body_unpicklable_return():
+    with pytest.raises(torchwire.SerializationError, match="return value"):
+        rpc.rpc_sync("worker1", return_unpicklable)
+    return rpc.rpc_sync("worker1", add, args=(20, 22))
+
+
+def test_unpicklable_return_value_is_an_error_and_callee_keeps_serving(world):
+    assert world.run(0, body_unpicklable_return) == 42
+
+
+def body_bad_calls():
+    errors = {}
+    for key, call in {
+        "unknown_name": lambda: rpc.rpc_sync("nobody", noop),
+        "unknown_rank": lambda: rpc.rpc_sync(17, noop),
+        "bad_to": lambda: rpc.rpc_sync(1.5, noop),
+        "negative_timeout": lambda: rpc.rpc_sync("worker1", noop, timeout=-5),
+        "not_callable": lambda: rpc.rpc_sync("worker1", 3),
+        "bad_kwargs": lambda: rpc.rpc_sync("worker1", noop, kwargs=[1]),
+    }.items():
+        try:
+            call()
+        except Exception as exc:
+            errors[key] = (type(exc).__name__, str(exc), isinstance(exc, ValueError),
+                           isinstance(exc, TypeError))
+    errors["still_serving"] = rpc.rpc_sync("worker1", add, args=(1, 2))
+    return errors
+
+
+def test_bad_destinations_and_arguments_are_clear_errors(world):
+    errors = world.run(0, body_bad_calls)
+    assert errors["unknown_name"][0] == "UnknownWorkerError" and "nobody" in errors["unknown_name"][1]
+    assert errors["unknown_name"][2]  # also a ValueError
+    assert "17" in errors["unknown_rank"][1]
+    assert errors["bad_to"][2]
+    assert errors["negative_timeout"][2] and "timeout" in errors["negative_timeout"][1]
+    assert errors["not_callable"][3]
+    assert errors["bad_kwargs"][3]
+    assert errors["still_serving"] == 3
+
+
+def test_call_before_init_rpc_is_a_clear_error():
+    with pytest.raises(torchwire.RpcStateError, match="init_rpc"):
+        rpc.rpc_sync("worker1", noop)
+    with pytest.raises(torchwire.RpcStateError, match="init_rpc"):
+        rpc.get_worker_info()
+    with pytest.raises(RuntimeError):  # torch code catches RuntimeError
+        rpc.shutdown()
+
+
+def _after_shutdown(rank, world_size):
+    import torchwire.rpc as rpc
+    rpc.shutdown()
+    try:
+        rpc.rpc_sync("worker0", noop)
+    except torchwire.RpcStateError as exc:
+        msg = str(exc)
+    # re-initialise for the harness' own shutdown call
+    return msg
+
+
+def test_call_after_shutdown_is_a_clear_error():
+    def body(rank, world_size, init_method):
+        from _cluster import options
+        rpc.init_rpc(f"worker{rank}", rank=rank, world_size=world_size,
+                     rpc_backend_options=options(init_method))
+        rpc.shutdown()
+        try:
+            rpc.rpc_sync("worker0", noop)
+        except torchwire.RpcStateError as exc:
+            return str(exc)
+        return "no error"
+
+    msgs = run_world(body, 2, init=False)
+    assert all("init_rpc" in m for m in msgs)
+
+
+# ---------------------------------------------------------------- timeouts
+
+def body_timeouts():
+    out = {}
+    t0 = time.monotonic()
+    try:
+        rpc.rpc_sync("worker1", sleep_then, args=(3, "late"), timeout=0.5)
+    except RuntimeError as exc:
+        out["sync"] = (type(exc).__name__, str(exc), time.monotonic() - t0)
+    t0 = time.monotonic()
+    fut = rpc.rpc_async("worker2", sleep_then, args=(3, "late"), timeout=0.3)
+    try:
+        fut.wait()
+    except RuntimeError as exc:
+        out["async"] = (type(exc).__name__, str(exc), time.monotonic() - t0)
+    # 0 = no limit, even when the default would have expired
+    out["zero"] = rpc.rpc_sync("worker3", sleep_then, args=(0.2, "ok"), timeout=0)
+    # after the late replies arrive they are dropped and the workers still serve
+    time.sleep(3)
+    out["after"] = [rpc.rpc_sync(f"worker{r}", add, args=(r, 1)) for r in (1, 2)]
+    return out
+
+
+def test_timeouts(world):
+    out = world.run(0, body_timeouts)
+    name, msg, elapsed = out["sync"]
+    assert name == "RpcTimeoutError"
+    assert "RPC ran for more than set timeout" in msg and "worker1" in msg
+    assert 0.5 <= elapsed < 1.0
+    name, msg, elapsed = out["async"]
+    assert name == "RpcTimeoutError" and 0.3 <= elapsed < 0.8
+    assert out["zero"] == "ok"
+    assert out["after"] == [2, 3]
+
+
+def test_default_rpc_timeout_applies():
+    def body(rank, world_size):
+        if rank == 0:
+            t0 = time.monotonic()
+            with pytest.raises(torchwire.RpcTimeoutError, match="1000 ms"):
+                rpc.rpc_sync("worker1", sleep_then, args=(2, None))
+            return time.monotonic() - t0
+        return None
+
+    elapsed = run_world(body, 2, rpc_timeout=1)[0]
+    assert 1.0 <= elapsed < 1.5
+
+
+def body_one_timer():
+    before = threading.active_count()
+    futs = [rpc.rpc_async("worker1", sleep_then, args=(0.02, i), timeout=20) for i in range(200)]
+    during = threading.active_count()
+    values = torch.futures.wait_all(futs)
+    return before, during, values
+
+
+def test_one_timer_for_all_calls(world):
+    before, during, values = world.run(0, body_one_timer)
+    assert values == list(range(200))
+    assert during - before <= 2  # at most a new connection's reader, never a thread per call
+
+
+# ---------------------------------------------------------------- threading
+
+def nested_back(to, depth):
+    if depth == 0:
+        return rpc.get_worker_info().name
+    return rpc.rpc_sync(to, nested_back, args=(rpc.get_worker_info().name, depth - 1))
+
+
+def body_nested():
+    # worker0 -> worker1 -> worker0 -> worker1 ..., 48 chains at once: 3x the pool size
+    futs = [rpc.rpc_async("worker1", nested_back, args=("worker0", 4)) for _ in range(48)]
+    return torch.futures.wait_all(futs)
+
+
+def test_nested_calls_back_to_caller_with_default_pool(world):
+    assert world.run(0, body_nested, timeout=90) == ["worker1"] * 48
+
+
+_events: dict = {}
+
+
+@rpc.functions.async_execution
+def async_wait_for_release(key):
+    fut = torch.futures.Future()
+    _events.setdefault(key, []).append(fut)
+    return fut
+
+
+def release(key, value):
+    futs = _events.pop(key, [])
+    for f in futs:
+        f.set_result(value)
+    return len(futs)
+
+
+def pool_threads():
+    return sum(t.name.startswith("torchwire-worker") for t in threading.enumerate())
+
+
+def body_async_holds_no_thread():
+    n = 64  # four times the pool size: would deadlock if each held a pool thread
+    futs = [rpc.rpc_async("worker3", async_wait_for_release, args=("k",)) for _ in range(n)]
+    # an ordinary call still gets served while 64 async calls are parked
+    assert rpc.rpc_sync("worker3", add, args=(1, 1)) == 2
+    threads = rpc.rpc_sync("worker3", pool_threads)
+    released = rpc.rpc_sync("worker3", release, args=("k", 7))
+    return released, torch.futures.wait_all(futs), threads
+
+
+def test_async_execution_holds_no_pool_thread(world):
+    released, values, threads = world.run(0, body_async_holds_no_thread)
+    assert released == 64 and values == [7] * 64
+    assert threads <= 16
+
+
+def body_many_threads():
+    errors, results = [], []
+    lock = threading.Lock()
+
+    def user(tid):
+        try:
+            for i in range(150):
+                to = f"worker{1 + (tid + i) % 3}"
+                if i % 2:
+                    v = rpc.rpc_sync(to, add, args=(tid, i))
+                else:
+                    v = rpc.rpc_async(to, add, args=(tid, i)).wait()
+                assert v == tid + i
+            with lock:
+                results.append(tid)
+        except BaseException as exc:
+            errors.append(repr(exc))
+
+    threads = [threading.Thread(target=user, args=(t,)) for t in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    return sorted(results), errors
+
+
+def test_api_is_thread_safe(world):
+    results, errors = world.run(0, body_many_threads)
+    assert errors == []
+    assert results == list(range(8))
+
+
+# ---------------------------------------------------------------- shutdown
+
+def test_graceful_shutdown_waits_for_outstanding_work():
+    def body(rank, world_size):
+        if rank == 0:
+            # issued just before shutdown: worker1 is already in shutdown, still serves it
+            fut = rpc.rpc_async("worker1", sleep_then, args=(0.5, "finished"))
+            rpc.shutdown()
+            return fut.wait()
+        if rank == 1:
+            rpc.shutdown()
+            return "served"
+        rpc.shutdown()
+        return "idle"
+
+    def wrapper(rank, world_size, init_method):
+        from _cluster import options
+        rpc.init_rpc(f"worker{rank}", rank=rank, world_size=world_size,
+                     rpc_backend_options=options(init_method))
+        return body(rank, world_size)
+
+    assert run_world(wrapper, 3, init=False, timeout=60) == ["finished", "served", "idle"]
+
+
+_flag = threading.Event()
+
+
+def set_flag():
+    _flag.set()
+    return True
+
+
+def test_shutdown_non_graceful_is_immediate_and_local():
+    def body(rank, world_size, init_method):
+        from _cluster import options
+        rpc.init_rpc(f"worker{rank}", rank=rank, world_size=world_size,
+                     rpc_backend_options=options(init_method))
+        if rank == 1:
+            assert _flag.wait(30)
+            t0 = time.monotonic()
+            rpc.shutdown(graceful=False)
+            return time.monotonic() - t0
+        assert rpc.rpc_sync("worker1", set_flag)
+        # worker1 leaves without waiting for anyone; calls to it then fail, never hang
+        t0 = time.monotonic()
+        while True:
+            try:
+                rpc.rpc_sync("worker1", add, args=(1, 1), timeout=5)
+            except torchwire.WorkerUnavailableError as exc:
+                assert "worker1" in str(exc)
+                break
+            assert time.monotonic() - t0 < 10
+        rpc.shutdown(graceful=False)
+        return time.monotonic() - t0
+
+    elapsed = run_world(body, 2, init=False)
+    assert elapsed[1] < 3.0
+
+
+def test_graceful_shutdown_bounded_by_timeout():
+    def body(rank, world_size, init_method):
+        from _cluster import options
+        rpc.init_rpc(f"worker{rank}", rank=rank, world_size=world_size,
+                     rpc_backend_options=options(init_method))
+        if rank == 0:
+            t0 = time.monotonic()
+            with pytest.raises(torchwire.RpcTimeoutError, match="shutdown"):
+                rpc.shutdown(timeout=1.0)  # worker1 is still busy and has not called shutdown
+            return time.monotonic() - t0
+        time.sleep(3)
+        rpc.shutdown(graceful=False)
+        return None
+
+    assert run_world(body, 2, init=False)[0] < 2.5
+
+
+# ---------------------------------------------------------------- API surface
+
+def test_worker_info_semantics():
+    a, b = rpc.WorkerInfo("w", 1), rpc.WorkerInfo("w", 1)
+    assert a == b and hash(a) == hash(b) and len({a, b}) == 1
+    assert rpc.WorkerInfo("a", 0) < rpc.WorkerInfo("b", 1)
+    assert pickle.loads(pickle.dumps(a)) == a
+    assert repr(a) == "WorkerInfo(id=1, name=w)"
+    assert (a.name, a.id) == ("w", 1)
+
+
+def test_public_names_are_exported_and_documented():
+    for name in rpc.__all__:
+        obj = getattr(rpc, name)
+        if callable(obj) and not isinstance(obj, type(rpc.BackendType.TENSORPIPE)):
+            assert obj.__doc__, f"torchwire.rpc.{name} has no docstring"
+    for name in ("init_rpc", "shutdown", "rpc_sync", "rpc_async", "get_worker_info",
+                 "WorkerInfo", "BackendType", "is_available", "TensorPipeRpcBackendOptions",
+                 "functions"):
+        assert name in rpc.__all__
+    assert rpc.functions.async_execution.__doc__
+    assert rpc.is_available() is True
