@@ -37,10 +37,12 @@ ECHO_SIZES = [
 ]
 
 
-def _import_lib(lib: str):
+def _import_lib(lib: str, cfg: dict):
     import importlib
 
-    return importlib.import_module(LIB_MODULES[lib])
+    # cfg may override the module (used to test the bench's failure handling).
+    module = cfg.get("lib_modules", {}).get(lib) or LIB_MODULES[lib]
+    return importlib.import_module(module)
 
 
 def _percentile(sorted_vals, p):
@@ -154,7 +156,7 @@ def child_main(lib, rank, port, cfg, q):
 
     where = "import"
     try:
-        rpc = _import_lib(lib)
+        rpc = _import_lib(lib, cfg)
         where = "init_rpc"
         opts = rpc.TensorPipeRpcBackendOptions(
             init_method=f"tcp://127.0.0.1:{port}",

@@ -145,6 +145,22 @@ class RpcAgent:
                 f"state={self.state.value} pending={len(self._pending)} "
                 f"connections={len(self._incoming) + sum(p.out is not None for p in self._peers)}>")
 
+    def stats(self) -> dict:
+        """Counters for monitoring and the demo: calls and bytes, per direction."""
+        with self._conn_lock:
+            conns = list(self._incoming)
+        conns += [p.out for p in self._peers if isinstance(p.out, Connection)]
+        return {
+            "name": self.name,
+            "calls_sent": self._sent,
+            "calls_served": self._received,
+            "pending": len(self._pending),
+            "connections": len(conns),
+            "bytes_out": sum(c.bytes_out for c in conns),
+            "bytes_in": sum(c.bytes_in for c in conns),
+            "transports": sorted({c.transport for c in conns}),
+        }
+
     # ------------------------------------------------------------------ start
 
     def start(self) -> None:

@@ -69,6 +69,8 @@ class Connection:
         self.close_reason: BaseException | None = None
         self.frames_in = 0
         self.frames_out = 0
+        self.bytes_in = 0
+        self.bytes_out = 0
         self._reader = threading.Thread(target=self._read_loop, daemon=True,
                                         name=f"torchwire-reader-{peer_rank}")
 
@@ -95,9 +97,11 @@ class Connection:
             lens = [t.numel() * t.element_size() for t in tensors]
             parts = [F.encode_header(kind, flags, request_id, len(payload), lens), payload]
             parts.extend(byte_view(t, n) for t, n in zip(tensors, lens) if n)
+            size = F.HEADER_SIZE + 8 * len(lens) + len(payload) + sum(lens)
         else:
             parts = [F.HEADER.pack(F.MAGIC, F.VERSION, kind, flags, request_id, len(payload),
                                    0, 0), payload]
+            size = F.HEADER_SIZE + len(payload)
         with self._qlock:
             if self.closed:
                 raise ConnectionClosedError(f"connection to rank {self.peer_rank} is closed")
@@ -105,6 +109,7 @@ class Connection:
             if tensors:
                 self._keep.append(tensors)
             self.frames_out += 1
+            self.bytes_out += size
             if self._flushing:
                 return
             self._flushing = True
@@ -256,6 +261,7 @@ class Connection:
                     read_exact_into(byte_view(t, n), t if n >= _PREFAULT_MIN else None)
                 tensors.append(t)
             self.frames_in += 1
+            self.bytes_in += header_size + 8 * nbufs + plen + sum(lens)
             if kind == F.K_GOODBYE:
                 self.goodbye_received = True
             frames.append((kind, flags, rid, payload, tensors))

@@ -21,11 +21,13 @@ log = logging.getLogger("torchwire")
 def _tune(sock: socket.socket, tcp: bool) -> None:
     if tcp:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
-        try:
-            sock.setsockopt(socket.SOL_SOCKET, opt, 4 * 1024 * 1024)
-        except OSError:
-            pass
+    bufsize = int(os.environ.get("TORCHWIRE_SOCKBUF", "0"))
+    if bufsize:
+        for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+            try:
+                sock.setsockopt(socket.SOL_SOCKET, opt, bufsize)
+            except OSError:
+                pass
 
 
 class Listener:

@@ -13,7 +13,7 @@ from .._future import Future
 from .._worker_info import WorkerInfo
 from . import functions
 from ._api import (get_rpc_timeout, get_worker_info, init_rpc, is_available, rpc_async,
-                   rpc_sync, shutdown)
+                   rpc_sync, shutdown, stats)
 from ._options import (DEFAULT_INIT_METHOD, DEFAULT_NUM_WORKER_THREADS, DEFAULT_RPC_TIMEOUT_SEC,
                        DEFAULT_SHUTDOWN_TIMEOUT, UNSET_RPC_TIMEOUT, BackendType,
                        RpcBackendOptions, TensorPipeRpcBackendOptions,
@@ -21,7 +21,7 @@ from ._options import (DEFAULT_INIT_METHOD, DEFAULT_NUM_WORKER_THREADS, DEFAULT_
 
 __all__ = [
     "init_rpc", "shutdown", "rpc_sync", "rpc_async", "get_worker_info", "get_rpc_timeout",
-    "is_available", "WorkerInfo", "BackendType", "functions", "Future",
+    "is_available", "stats", "WorkerInfo", "BackendType", "functions", "Future",
     "TorchwireRpcBackendOptions", "TensorPipeRpcBackendOptions", "RpcBackendOptions",
     "DEFAULT_INIT_METHOD", "DEFAULT_NUM_WORKER_THREADS", "DEFAULT_RPC_TIMEOUT_SEC",
     "DEFAULT_SHUTDOWN_TIMEOUT", "UNSET_RPC_TIMEOUT",

@@ -8,9 +8,8 @@ import os
 import socket
 import threading
 
-from .. import _serialization  # noqa: F401 - registers nothing, kept for import order
 from .._agent import AgentState, RpcAgent
-from .._errors import RendezvousError, RpcStateError
+from .._errors import RpcStateError
 from .._future import Future
 from .._rendezvous import check_worker_name, join, open_store
 from .._wire.listener import Listener, host_identity
@@ -179,6 +178,14 @@ def get_worker_info(worker_name=None) -> WorkerInfo:
     return _require_agent().get_worker_info(worker_name)
 
 
+def stats() -> dict:
+    """This worker's counters: calls sent and served, pending calls, connections, bytes.
+
+    torchwire addition (torch has no equivalent); handy for monitoring and tests.
+    """
+    return _require_agent().stats()
+
+
 def get_rpc_timeout() -> float:
     """The default timeout of calls, in seconds, as set by ``rpc_timeout``."""
     return _require_agent().rpc_timeout
@@ -257,4 +264,3 @@ def rpc_sync(to, func, args=None, kwargs=None, timeout=UNSET_RPC_TIMEOUT):
     return _invoke(to, func, args, kwargs, timeout).wait()
 
 
-_ = RendezvousError

@@ -1,0 +1,529 @@
+#!/usr/bin/env python
+"""Side-by-side benchmark of torch.distributed.rpc and torchwire.rpc.
+
+Usage:
+    python bench/bench.py [--quick] [--rounds N] [--libs torch,torchwire] [--out BENCHMARKS.md]
+
+Each round of a library starts two fresh processes (multiprocessing 'spawn'
+context) on 127.0.0.1: worker0 drives every metric, worker1 serves.  Rounds
+alternate between the libraries (torch, torchwire, torch, torchwire, ...) and
+every reported number is the median over that library's rounds.  Every wait
+has a timeout: a round that hangs is killed and reported as an error instead
+of hanging the benchmark.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import multiprocessing as mp
+import os
+import platform
+import queue as _queue
+import socket
+import statistics
+import subprocess
+import sys
+import time
+
+BENCH_DIR = os.path.dirname(os.path.abspath(__file__))
+REPO_ROOT = os.path.dirname(BENCH_DIR)
+for _p in (BENCH_DIR, REPO_ROOT):
+    if _p not in sys.path:
+        sys.path.insert(0, _p)
+
+import _bench_worker  # noqa: E402  (must be importable by reference in the children)
+from _bench_worker import ECHO_SIZES  # noqa: E402
+
+LIB_TITLES = {"torch": "torch.distributed.rpc", "torchwire": "torchwire"}
+
+# ---------------------------------------------------------------------------
+# configuration
+
+
+def make_cfg(quick: bool) -> dict:
+    if quick:
+        return {
+            "sync_n": 300,
+            "sync_warmup": 50,
+            "async_n": 10_000,
+            "async_reps": 1,
+            "async_warmup": 500,
+            "echo_warmup": 1,
+            "echo_iters": {"1KiB": 100, "1MiB": 20, "16MiB": 5, "64MiB": 3, "256MiB": 2},
+            "rpc_timeout": 120,
+        }
+    return {
+        "sync_n": 2000,
+        "sync_warmup": 200,
+        "async_n": 10_000,
+        "async_reps": 3,
+        "async_warmup": 1000,
+        "echo_warmup": 1,
+        "echo_iters": {"1KiB": 500, "1MiB": 100, "16MiB": 20, "64MiB": 8, "256MiB": 3},
+        "rpc_timeout": 120,
+    }
+
+
+# metric key -> (label, unit, higher_is_better, target) ; target = (op, factor) or None
+def metric_specs():
+    specs = [
+        ("sync_noop_median_us", "rpc_sync no-op latency, median", "µs", False, ("<=", 0.5)),
+        ("sync_noop_p99_us", "rpc_sync no-op latency, p99", "µs", False, None),
+        ("sync_tensor16_median_us", "rpc_sync echo 16-float tensor, median", "µs", False, None),
+        ("async_noop_calls_per_s", "rpc_async no-op throughput (10 000 in flight)", "calls/s",
+         True, (">=", 3.0)),
+    ]
+    for label, _ in ECHO_SIZES:
+        specs.append((f"echo_{label}_GBps", f"tensor echo {label.replace('KiB', ' KiB').replace('MiB', ' MiB')} bandwidth (2×bytes/time)",
+                      "GB/s", True, (">=", 1.0)))
+    return specs
+
+
+# ---------------------------------------------------------------------------
+# one round
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _kill(procs):
+    procs = [p for p in procs if p.pid is not None]  # skip never-started ones
+    for p in procs:
+        if p.is_alive():
+            p.terminate()
+    deadline = time.monotonic() + 5
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join(5)
+
+
+def run_round(ctx, lib: str, cfg: dict, stall_timeout: float, round_timeout: float,
+              shutdown_timeout: float, log) -> dict:
+    """Run one round of ``lib``; returns a dict with metrics / errors / notes."""
+    port = free_port()
+    q = ctx.Queue()
+    procs = [
+        ctx.Process(target=_bench_worker.child_main, args=(lib, rank, port, cfg, q),
+                    name=f"bench-{lib}-worker{rank}", daemon=True)
+        for rank in (0, 1)
+    ]
+    res = {"metrics": {}, "extra": {}, "errors": [], "notes": [], "timed_out": False,
+           "clean_shutdown": False, "shutdown_s": None, "init_s": {}}
+    t_start = time.monotonic()
+    last_progress = t_start
+    done = set()
+    shutdown_times = {}
+    rank0_done_at = None
+    try:
+        for p in procs:
+            p.start()
+        while True:
+            now = time.monotonic()
+            # Deadlines -------------------------------------------------------
+            if rank0_done_at is None:
+                if now - last_progress > stall_timeout:
+                    res["errors"].append(f"no progress for {stall_timeout:.0f} s (hang); killed")
+                    res["timed_out"] = True
+                    break
+                if now - t_start > round_timeout:
+                    res["errors"].append(f"round exceeded {round_timeout:.0f} s; killed")
+                    res["timed_out"] = True
+                    break
+            else:
+                if len(done) == 2 and not any(p.is_alive() for p in procs):
+                    break
+                if now - rank0_done_at > shutdown_timeout:
+                    res["notes"].append(
+                        f"shutdown did not finish within {shutdown_timeout:.0f} s; processes killed")
+                    break
+            # Messages --------------------------------------------------------
+            try:
+                msg = q.get(timeout=0.25)
+            except _queue.Empty:
+                msg = None
+            if msg is not None:
+                last_progress = time.monotonic()
+                kind = msg[0]
+                if kind == "metric":
+                    _, name, value, extra = msg
+                    res["metrics"][name] = value
+                    res["extra"][name] = extra
+                    log(f"    {name} = {value:.4g}")
+                elif kind == "ready":
+                    res["init_s"][msg[1]] = msg[2]
+                elif kind == "note":
+                    res["notes"].append(msg[1])
+                elif kind == "error":
+                    _, rank, where, text = msg
+                    first = text.strip().splitlines()[0]
+                    res["errors"].append(f"worker{rank} failed in {where}: {first}")
+                    log(f"    ERROR worker{rank} in {where}:\n" + "\n".join(
+                        "      " + line for line in text.rstrip().splitlines()))
+                elif kind == "shutdown":
+                    shutdown_times[msg[1]] = msg[2]
+                elif kind == "done":
+                    done.add(msg[1])
+                    if msg[1] == 0:
+                        rank0_done_at = time.monotonic()
+                continue
+            # A process that died without saying "done" ends the round. ----------
+            dead = [(r, p.exitcode) for r, p in enumerate(procs)
+                    if not p.is_alive() and r not in done]
+            if dead:
+                # Drain anything it managed to send first.
+                time.sleep(0.2)
+                while True:
+                    try:
+                        msg = q.get_nowait()
+                    except (_queue.Empty, EOFError, OSError):
+                        break
+                    if msg[0] == "metric":
+                        res["metrics"][msg[1]] = msg[2]
+                        res["extra"][msg[1]] = msg[3]
+                    elif msg[0] == "error":
+                        first = msg[3].strip().splitlines()[0]
+                        res["errors"].append(f"worker{msg[1]} failed in {msg[2]}: {first}")
+                    elif msg[0] == "done":
+                        done.add(msg[1])
+                still_dead = [(r, c) for r, c in dead if r not in done]
+                if still_dead:
+                    if not res["errors"]:
+                        res["errors"].append("; ".join(
+                            f"worker{r} exited with code {c}" for r, c in still_dead))
+                    break
+    except KeyboardInterrupt:
+        _kill(procs)
+        raise
+    finally:
+        _kill(procs)
+        try:
+            q.close()
+            q.cancel_join_thread()
+        except Exception:
+            pass
+    if len(done) == 2 and not res["errors"]:
+        res["clean_shutdown"] = True
+        res["shutdown_s"] = max(shutdown_times.values()) if shutdown_times else None
+    res["wall_s"] = time.monotonic() - t_start
+    return res
+
+
+# ---------------------------------------------------------------------------
+# reporting
+
+
+def machine_info() -> dict:
+    cpu = platform.processor() or "unknown"
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    mem = "unknown"
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    kb = int(line.split()[1])
+                    mem = f"{kb / 1024 / 1024:.1f} GiB"
+                    break
+    except OSError:
+        pass
+    try:
+        from importlib.metadata import version
+
+        torch_version = version("torch")
+    except Exception:
+        torch_version = "unknown"
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:
+        cores = os.cpu_count()
+    tw = "source tree"
+    try:
+        rev = subprocess.run(["git", "-C", REPO_ROOT, "rev-parse", "--short", "HEAD"],
+                             capture_output=True, text=True, timeout=5)
+        if rev.returncode == 0 and rev.stdout.strip():
+            dirty = subprocess.run(["git", "-C", REPO_ROOT, "status", "--porcelain"],
+                                   capture_output=True, text=True, timeout=5).stdout.strip()
+            tw = f"git {rev.stdout.strip()}" + (" (+ uncommitted changes)" if dirty else "")
+    except Exception:
+        pass
+    return {
+        "cpu": cpu,
+        "cores": cores,
+        "mem": mem,
+        "python": platform.python_version(),
+        "torch": torch_version,
+        "os": f"{platform.system()} {platform.release()}",
+        "torchwire": tw,
+    }
+
+
+def fmt_value(v: float, unit: str) -> str:
+    if unit == "µs":
+        return f"{v:,.0f} µs" if v >= 100 else f"{v:.1f} µs"
+    if unit == "calls/s":
+        return f"{v:,.0f} calls/s"
+    if unit == "GB/s":
+        return f"{v:.3f} GB/s" if v < 1 else f"{v:.2f} GB/s"
+    return f"{v:.4g} {unit}"
+
+
+def summarize(results: dict, libs: list, rounds: int) -> dict:
+    """results[lib] = list of round dicts -> per lib per metric summary."""
+    out = {}
+    for lib in libs:
+        rs = results.get(lib, [])
+        per_metric = {}
+        for key, *_ in metric_specs():
+            vals = [r["metrics"][key] for r in rs if key in r["metrics"]]
+            per_metric[key] = {
+                "median": statistics.median(vals) if vals else None,
+                "values": vals,
+                "n": len(vals),
+            }
+        errors = []
+        for i, r in enumerate(rs):
+            for e in r["errors"]:
+                errors.append(f"round {i + 1}: {e}")
+        out[lib] = {
+            "metrics": per_metric,
+            "errors": errors,
+            "rounds_run": len(rs),
+            "clean_shutdowns": sum(1 for r in rs if r["clean_shutdown"]),
+            "shutdown_s": [r["shutdown_s"] for r in rs if r["shutdown_s"] is not None],
+            "notes": sorted({n for r in rs for n in r["notes"]}),
+        }
+    return out
+
+
+def _short_error(summary_lib: dict) -> str:
+    if not summary_lib["errors"]:
+        return "error: no result"
+    e = summary_lib["errors"][0].split(": ", 1)[-1]
+    e = e.replace("|", "\\|")
+    if len(e) > 90:
+        e = e[:87] + "..."
+    return f"error: {e}"
+
+
+def build_table(summary: dict, libs: list, rounds: int) -> str:
+    have_both = "torch" in libs and "torchwire" in libs
+    cols = ["metric"] + [LIB_TITLES[l] for l in libs]
+    if have_both:
+        cols += ["ratio (torchwire / torch)", "target", "met?"]
+    lines = ["| " + " | ".join(cols) + " |", "|" + "|".join(
+        ["---"] + ["---:"] * len(libs) + ([":---", ":---", ":---:"] if have_both else [])) + "|"]
+    for key, label, unit, higher, target in metric_specs():
+        row = [label]
+        vals = {}
+        for lib in libs:
+            m = summary[lib]["metrics"][key]
+            if m["median"] is None:
+                row.append(_short_error(summary[lib]))
+            else:
+                vals[lib] = m["median"]
+                cell = fmt_value(m["median"], unit)
+                if m["n"] < summary[lib]["rounds_run"] or m["n"] < rounds:
+                    cell += f" ({m['n']}/{rounds} rounds)"
+                row.append(cell)
+        if have_both:
+            better = "higher is better" if higher else "lower is better"
+            if "torch" in vals and "torchwire" in vals and vals["torch"] > 0:
+                ratio = vals["torchwire"] / vals["torch"]
+                row.append(f"{ratio:.2f}× ({better})")
+            else:
+                ratio = None
+                row.append("—")
+            if target is None:
+                row += ["—", "—"]
+            else:
+                op, factor = target
+                row.append(f"{'≤' if op == '<=' else '≥'} {factor:g}× torch")
+                if ratio is None:
+                    row.append("no" if "torchwire" not in vals else "—")
+                else:
+                    ok = ratio <= factor if op == "<=" else ratio >= factor
+                    row.append("yes" if ok else "**no**")
+        lines.append("| " + " | ".join(row) + " |")
+    # shutdown row
+    row = ["clean shutdown (rounds)"]
+    for lib in libs:
+        s = summary[lib]
+        cell = f"{s['clean_shutdowns']}/{rounds}"
+        if s["shutdown_s"]:
+            cell += f", worst {max(s['shutdown_s']):.2f} s"
+        row.append(cell)
+    if have_both:
+        row += ["—", f"{rounds}/{rounds}",
+                "yes" if summary["torchwire"]["clean_shutdowns"] == rounds else "**no**"]
+    lines.append("| " + " | ".join(row) + " |")
+    return "\n".join(lines)
+
+
+def build_per_round(summary: dict, libs: list) -> str:
+    cols = ["metric"] + [f"{LIB_TITLES[l]} per round" for l in libs]
+    lines = ["| " + " | ".join(cols) + " |", "|" + "|".join(["---"] * len(cols)) + "|"]
+    for key, label, unit, *_ in metric_specs():
+        row = [label]
+        for lib in libs:
+            vals = summary[lib]["metrics"][key]["values"]
+            row.append(", ".join(fmt_value(v, unit).rsplit(" ", 1)[0] for v in vals) or "—")
+        lines.append("| " + " | ".join(row) + " |")
+    return "\n".join(lines)
+
+
+def build_report(summary, libs, rounds, cfg, args, machine, started, elapsed) -> str:
+    echo_iters = ", ".join(f"{k}: {v}" for k, v in cfg["echo_iters"].items())
+    order = ", ".join(LIB_TITLES[l] for l in libs)
+    parts = [
+        "# torchwire vs torch.distributed.rpc benchmark",
+        "",
+        f"- Date: {started.strftime('%Y-%m-%d %H:%M:%S %Z').strip()}",
+        f"- Machine: {machine['cpu']}, {machine['cores']} cores, {machine['mem']} RAM, "
+        f"{machine['os']}",
+        f"- Python {machine['python']}, torch {machine['torch']}, torchwire {machine['torchwire']}",
+        f"- Command: `python bench/bench.py {' '.join(args)}`".rstrip(),
+        f"- Mode: {'quick' if cfg['sync_n'] < 2000 else 'full'}; total wall time {elapsed:.0f} s",
+        "",
+        "## How it was measured",
+        "",
+        "- Two processes on 127.0.0.1 (worker0 drives, worker1 serves), started with the "
+        "multiprocessing `spawn` context; rendezvous via `init_method=tcp://127.0.0.1:<free port>`, "
+        "`TensorPipeRpcBackendOptions(num_worker_threads=16, rpc_timeout=120)` for both libraries.",
+        f"- A round = 2 fresh processes, `init_rpc`, all metrics, `shutdown()`. Rounds alternate "
+        f"between libraries ({order}, repeated), {rounds} round(s) per library. "
+        "Every figure below is the **median over rounds** (per-round values further down).",
+        "- Remote functions are module-level functions of `bench/_bench_funcs.py` "
+        "(pickled by reference).",
+        f"- rpc_sync latency: {cfg['sync_warmup']} warm-up calls, then {cfg['sync_n']} timed "
+        "calls, each timed individually with `perf_counter_ns`; median and p99 of the calls.",
+        f"- rpc_async throughput: {cfg['async_n']:,} `rpc_async(noop)` calls issued back to back, "
+        f"then `torch.futures.wait_all`; calls / elapsed time, median of {cfg['async_reps']} "
+        "repetition(s) per round.",
+        "- Tensor echo: float32 tensor of the given size sent with `rpc_sync` to a function "
+        "returning its argument; bandwidth = 2 × bytes / median call time "
+        f"(1 warm-up call, then iterations per size: {echo_iters}).",
+        "- Ratio is torchwire / torch of the medians; for latency lower is better, for "
+        "throughput and bandwidth higher is better.",
+        "",
+        "## Results",
+        "",
+        build_table(summary, libs, rounds),
+        "",
+    ]
+    notes = []
+    for lib in libs:
+        for e in summary[lib]["errors"]:
+            notes.append(f"- {LIB_TITLES[lib]} {e}")
+        for n in summary[lib]["notes"]:
+            notes.append(f"- {LIB_TITLES[lib]}: {n}")
+    if notes:
+        parts += ["## Errors and notes", ""] + notes + [""]
+    parts += ["## Per-round values", "", build_per_round(summary, libs), ""]
+    return "\n".join(parts)
+
+
+# ---------------------------------------------------------------------------
+# main
+
+
+def parse_args(argv):
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true",
+                    help="1 round per library and smaller iteration counts")
+    ap.add_argument("--rounds", type=int, default=None,
+                    help="rounds per library (default 3, or 1 with --quick)")
+    ap.add_argument("--libs", "--lib", dest="libs", nargs="+", default=["torch", "torchwire"],
+                    help="libraries to run, comma or space separated (torch, torchwire)")
+    ap.add_argument("--out", default=os.path.join(REPO_ROOT, "BENCHMARKS.md"),
+                    help="markdown report path (default: BENCHMARKS.md at the repo root)")
+    ap.add_argument("--stall-timeout", type=float, default=90.0,
+                    help="kill a round after this many seconds without progress (default 90)")
+    ap.add_argument("--round-timeout", type=float, default=240.0,
+                    help="kill a round after this many seconds in total (default 240)")
+    ap.add_argument("--json", default=None, help="also dump raw per-round results to this file")
+    args = ap.parse_args(argv)
+    libs = []
+    for item in args.libs:
+        for name in item.split(","):
+            name = name.strip()
+            if not name:
+                continue
+            if name not in LIB_TITLES:
+                ap.error(f"unknown library {name!r}; choose from {', '.join(LIB_TITLES)}")
+            if name not in libs:
+                libs.append(name)
+    args.libs = libs
+    if args.rounds is None:
+        args.rounds = 1 if args.quick else 3
+    if args.rounds < 1:
+        ap.error("--rounds must be >= 1")
+    return args
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+    cfg = make_cfg(args.quick)
+    started = _dt.datetime.now().astimezone()
+    t0 = time.monotonic()
+
+    def log(msg):
+        print(msg, file=sys.stderr, flush=True)
+
+    # Make TensorPipe / Gloo use the loopback interface (same for both libraries).
+    os.environ.setdefault("TP_SOCKET_IFNAME", "lo")
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    # Let a worker that finds the other one gone fail fast instead of waiting.
+    ctx = mp.get_context("spawn")
+    results = {lib: [] for lib in args.libs}
+    given_up = {}
+    for rnd in range(args.rounds):
+        for lib in args.libs:
+            if lib in given_up:
+                results[lib].append({"metrics": {}, "extra": {}, "errors": [
+                    f"skipped (an earlier round hung: {given_up[lib]})"], "notes": [],
+                    "clean_shutdown": False, "shutdown_s": None, "timed_out": False,
+                    "init_s": {}, "wall_s": 0.0})
+                continue
+            log(f"[{time.monotonic() - t0:6.1f}s] round {rnd + 1}/{args.rounds}: {LIB_TITLES[lib]}")
+            r = run_round(ctx, lib, cfg, args.stall_timeout, args.round_timeout,
+                          shutdown_timeout=30.0, log=log)
+            status = "ok" if not r["errors"] else "FAILED: " + "; ".join(r["errors"])
+            log(f"    round took {r['wall_s']:.1f} s, {status}")
+            results[lib].append(r)
+            if r["timed_out"]:
+                # A hang costs minutes; don't repeat it for the remaining rounds.
+                given_up[lib] = r["errors"][0]
+    elapsed = time.monotonic() - t0
+    summary = summarize(results, args.libs, args.rounds)
+    machine = machine_info()
+    report = build_report(summary, args.libs, args.rounds, cfg, argv, machine, started, elapsed)
+    print(report)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(report)
+        log(f"wrote {args.out}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"cfg": cfg, "machine": machine, "results": results}, f, indent=1,
+                      default=str)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
