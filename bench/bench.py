@@ -61,7 +61,7 @@ def make_cfg(quick: bool) -> dict:
         "async_reps": 3,
         "async_warmup": 1000,
         "echo_warmup": 1,
-        "echo_iters": {"1KiB": 500, "1MiB": 100, "16MiB": 20, "64MiB": 8, "256MiB": 3},
+        "echo_iters": {"1KiB": 1000, "1MiB": 200, "16MiB": 40, "64MiB": 12, "256MiB": 3},
         "rpc_timeout": 120,
     }
 
@@ -277,7 +277,7 @@ def fmt_value(v: float, unit: str) -> str:
     if unit == "calls/s":
         return f"{v:,.0f} calls/s"
     if unit == "GB/s":
-        return f"{v:.3f} GB/s" if v < 1 else f"{v:.2f} GB/s"
+        return f"{v:.3g} GB/s" if v < 10 else f"{v:.1f} GB/s"
     return f"{v:.4g} {unit}"
 
 
@@ -353,7 +353,7 @@ def build_table(summary: dict, libs: list, rounds: int) -> str:
                 op, factor = target
                 row.append(f"{'≤' if op == '<=' else '≥'} {factor:g}× torch")
                 if ratio is None:
-                    row.append("no" if "torchwire" not in vals else "—")
+                    row.append("**no**" if "torchwire" not in vals else "—")
                 else:
                     ok = ratio <= factor if op == "<=" else ratio >= factor
                     row.append("yes" if ok else "**no**")
@@ -395,7 +395,7 @@ def build_report(summary, libs, rounds, cfg, args, machine, started, elapsed) ->
         f"- Machine: {machine['cpu']}, {machine['cores']} cores, {machine['mem']} RAM, "
         f"{machine['os']}",
         f"- Python {machine['python']}, torch {machine['torch']}, torchwire {machine['torchwire']}",
-        f"- Command: `python bench/bench.py {' '.join(args)}`".rstrip(),
+        "- Command: `" + " ".join(["python bench/bench.py"] + list(args)) + "`",
         f"- Mode: {'quick' if cfg['sync_n'] < 2000 else 'full'}; total wall time {elapsed:.0f} s",
         "",
         "## How it was measured",
@@ -502,7 +502,7 @@ def main(argv=None):
                 continue
             log(f"[{time.monotonic() - t0:6.1f}s] round {rnd + 1}/{args.rounds}: {LIB_TITLES[lib]}")
             r = run_round(ctx, lib, cfg, args.stall_timeout, args.round_timeout,
-                          shutdown_timeout=30.0, log=log)
+                          shutdown_timeout=60.0, log=log)
             status = "ok" if not r["errors"] else "FAILED: " + "; ".join(r["errors"])
             log(f"    round took {r['wall_s']:.1f} s, {status}")
             results[lib].append(r)
