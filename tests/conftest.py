@@ -2,6 +2,11 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+
+# Workers are forked from this process: it must never start torch's intra-op thread
+# pool, or a child's first parallel op hangs on the pool state it inherited.
+torch.set_num_threads(1)
 
 sys.path.insert(0, str(Path(__file__).parent))
 

@@ -108,6 +108,9 @@ class WorkerPool:
                 fn(*args)
             except BaseException:  # a task must never kill a pool thread
                 log.exception("torchwire: uncaught error in pool task %r", fn)
+            # Drop the task before idling: its arguments may own receive buffers
+            # that should go back to the buffer pool now, not at this thread's next task.
+            fn = args = None
 
     def shutdown(self, timeout: float) -> None:
         """Let queued work finish, then stop every thread (bounded by ``timeout``)."""

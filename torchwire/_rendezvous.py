@@ -21,6 +21,7 @@ import json
 import os
 import re
 import secrets
+import socket
 import time
 import urllib.parse
 from datetime import timedelta
@@ -30,7 +31,7 @@ import torch.distributed as dist
 from ._errors import RendezvousError
 
 PREFIX = "torchwire"
-_NAME_RE = re.compile(r"^[A-Za-z0-9_:\-]+$")
+_NAME_RE = re.compile(r"[A-Za-z0-9_:\-]+")
 MAX_NAME_LEN = 128
 
 
@@ -43,7 +44,7 @@ def check_worker_name(name) -> None:
     """
     if not isinstance(name, str):
         raise ValueError(f"worker name must be a str, got {type(name).__name__}")
-    if not name or len(name) >= MAX_NAME_LEN or not _NAME_RE.match(name):
+    if not name or len(name) >= MAX_NAME_LEN or not _NAME_RE.fullmatch(name):
         raise ValueError(
             f"Worker name must match ^[A-Za-z0-9-_:]*$ and be 1 to {MAX_NAME_LEN - 1} "
             f"characters long, got {name!r}")
@@ -101,6 +102,12 @@ def open_store(init_method: str, rank: int | None, world_size: int | None, timeo
             # torchrun's agent hosts the store and outlives restarts: one key space per attempt
             prefix = f"{PREFIX}/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
         is_master = rank == 0 and not agent_store
+        deadline = time.monotonic() + timeout
+        if not is_master:
+            # TCPStore's client retries with a random backoff that can overshoot the
+            # timeout by seconds; wait for the port ourselves, then connect with what is left.
+            _wait_for_port(host, port, deadline)
+            td = timedelta(seconds=max(0.5, deadline - time.monotonic()))
         try:
             store = dist.TCPStore(host, port, world_size, is_master, td,
                                   wait_for_workers=False, multi_tenant=True)
@@ -128,6 +135,23 @@ def open_store(init_method: str, rank: int | None, world_size: int | None, timeo
         raise ValueError(f"unsupported init_method {init_method!r}: use env://, tcp://host:port "
                          "or file:///path")
     return dist.PrefixStore(prefix, store), rank, world_size, store_host
+
+
+def _wait_for_port(host: str, port: int, deadline: float) -> None:
+    delay = 0.01
+    while True:
+        try:
+            socket.create_connection((host, port), timeout=max(0.05, deadline - time.monotonic())
+                                     ).close()
+            return
+        except OSError as exc:
+            if time.monotonic() + delay >= deadline:
+                raise RendezvousError(
+                    f"could not reach the rendezvous store at {host}:{port} within the init "
+                    f"timeout: {exc} (is rank 0 running, and MASTER_ADDR/MASTER_PORT right?)"
+                ) from exc
+            time.sleep(delay)
+            delay = min(delay * 2, 0.2)
 
 
 def join(store, rank: int, world_size: int, record: dict, timeout: float

@@ -74,7 +74,9 @@ def _rebuild_tensor(index: int, dtype: torch.dtype, shape: tuple, requires_grad:
 
 
 def _rebuild_sparse_coo(indices, values, size, coalesced: bool, requires_grad: bool):
-    t = torch.sparse_coo_tensor(indices, values, size, is_coalesced=coalesced)
+    # check_invariants: indices from a peer must be validated before any kernel uses them
+    t = torch.sparse_coo_tensor(indices, values, size, is_coalesced=coalesced,
+                                check_invariants=True)
     if requires_grad:
         t.requires_grad_(True)
     return t
@@ -129,6 +131,9 @@ class _RpcPickler(pickle.Pickler):
                 f"tensor on device {t.device} cannot be sent without a device map; "
                 "move it to the CPU first")
         data = t.detach()
+        if data.is_conj() or data.is_neg():
+            # lazy conjugate / negative views: the bytes in memory are not the values
+            data = data.resolve_conj().resolve_neg()
         if not data.is_contiguous():
             data = data.contiguous()
         index = len(self.tensors)
@@ -155,15 +160,30 @@ def dumps(obj: Any) -> tuple[bytes, list[torch.Tensor]]:
     Raises:
         SerializationError: ``obj`` (or something inside it) cannot be pickled.
     """
-    f = io.BytesIO()
-    p = _RpcPickler(f)
+    # One pickler per thread, reset between messages: building a Pickler and its
+    # BytesIO costs more than pickling a small call.
+    cached = getattr(_tls, "pickler", None)
+    if cached is None or cached[2]:
+        f = io.BytesIO()
+        cached = [_RpcPickler(f), f, False]
+        _tls.pickler = cached
+    p, f = cached[0], cached[1]
+    cached[2] = True  # in use: a reducer that pickles recursively gets a fresh pickler
     try:
+        p.tensors = []
         p.dump(obj)
+        payload = f.getvalue()
+        return payload, p.tensors
     except SerializationError:
         raise
     except Exception as exc:  # pickle raises PicklingError, TypeError, AttributeError...
         raise SerializationError(f"cannot pickle {_short_type(obj)}: {exc}") from exc
-    return f.getvalue(), p.tensors
+    finally:
+        p.clear_memo()
+        p.tensors = []
+        f.seek(0)
+        f.truncate()
+        cached[2] = False
 
 
 def loads(payload, tensors: list[torch.Tensor], recv_hook=None) -> Any:

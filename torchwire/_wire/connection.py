@@ -23,12 +23,11 @@ import socket
 import struct
 import threading
 
-import torch
-
 from .. import _threads
 from .._errors import ConnectionClosedError, ProtocolError
 from .._serialization import byte_view
 from . import frame as F
+from .buffers import receive_buffer
 
 log = logging.getLogger("torchwire")
 
@@ -183,6 +182,7 @@ class Connection:
             if frames:
                 batch, frames = frames, []
                 on_frames(self, batch)
+                del batch
             if len(buf) - start < need:
                 n = end - start
                 mv[0:n] = mv[start:end]
@@ -193,30 +193,20 @@ class Connection:
                     raise EOFError(f"rank {self.peer_rank} closed the connection")
                 end += got
 
-        def read_exact_into(dst: memoryview, prefault=None) -> None:
-            """Copy what is buffered into ``dst``, then receive the rest directly.
-
-            ``prefault``: the uint8 tensor under ``dst``, to touch chunk by chunk.
-            """
+        def read_exact_into(dst: memoryview) -> None:
+            """Copy what is buffered into ``dst``, then receive the rest directly."""
             nonlocal start, end, frames
             n = len(dst)
             have = min(end - start, n)
             if have:
                 dst[0:have] = mv[start:start + have]
                 start += have
-            off = faulted = have
+            off = have
             if off < n and frames:
                 batch, frames = frames, []
                 on_frames(self, batch)
             while off < n:
-                if prefault is not None and off >= faulted:
-                    # Touch fresh pages before the kernel copies into them: a page fault
-                    # taken inside recv costs ~10x more than one taken by a memset.
-                    step = min(_PREFAULT_CHUNK, n - faulted)
-                    prefault[faulted:faulted + step].fill_(0)
-                    faulted += step
-                limit = faulted if prefault is not None else n
-                got = sock.recv_into(dst[off:limit])
+                got = sock.recv_into(dst[off:])
                 if not got:
                     raise EOFError(f"rank {self.peer_rank} closed the connection mid-frame")
                 off += got
@@ -235,12 +225,15 @@ class Connection:
             tensors: list = []
             if nbufs:
                 need = 8 * nbufs
-                if need > len(buf):
-                    raise ProtocolError(f"{nbufs} buffers in one frame is too many")
-                if end - start < need:
-                    fill(need)
-                lens = F.decode_buffer_lens(mv[start:start + need], nbufs, plen, maxsize)
-                start += need
+                if need <= len(buf):
+                    if end - start < need:
+                        fill(need)
+                    lens = F.decode_buffer_lens(mv[start:start + need], nbufs, plen, maxsize)
+                    start += need
+                else:  # a table larger than the read buffer (> 32768 tensors)
+                    table = bytearray(need)
+                    read_exact_into(memoryview(table))
+                    lens = F.decode_buffer_lens(table, nbufs, plen, maxsize)
             else:
                 lens = ()
             # payload
@@ -256,19 +249,21 @@ class Connection:
                 read_exact_into(memoryview(big))
                 payload = big
             for n in lens:
-                t = torch.empty(n, dtype=torch.uint8)
+                t = receive_buffer(n)
                 if n:
-                    read_exact_into(byte_view(t, n), t if n >= _PREFAULT_MIN else None)
+                    read_exact_into(byte_view(t, n))
                 tensors.append(t)
             self.frames_in += 1
             self.bytes_in += header_size + 8 * nbufs + plen + sum(lens)
             if kind == F.K_GOODBYE:
                 self.goodbye_received = True
             frames.append((kind, flags, rid, payload, tensors))
+            payload = tensors = t = None  # the frame owns them now
             if start == end:
                 batch, frames = frames, []
                 start = end = 0
                 on_frames(self, batch)
+                batch = None
 
     # ------------------------------------------------------------------ closing
 

@@ -7,6 +7,7 @@ import logging
 import os
 import socket
 import threading
+import time
 
 from .._agent import AgentState, RpcAgent
 from .._errors import RpcStateError
@@ -106,6 +107,7 @@ def init_rpc(name, backend=None, rank=-1, world_size=None, rpc_backend_options=N
             raise RpcStateError("RPC is already initialized in this process; "
                                 "call torchwire.rpc.shutdown() first")
         timeout = options.init_timeout or options.rpc_timeout or 60.0
+        deadline = time.monotonic() + timeout  # one budget for the store and the join
         store, rank, world_size, store_host = open_store(options.init_method, rank,
                                                          world_size, timeout)
         listener = Listener(_listen_host(options, store_host), 0)
@@ -113,7 +115,8 @@ def init_rpc(name, backend=None, rank=-1, world_size=None, rpc_backend_options=N
             record = {"name": name, "rank": rank, "host": host_identity(),
                       "tcp": list(listener.tcp_address), "unix": listener.unix_address,
                       "pid": os.getpid()}
-            records, job = join(store, rank, world_size, record, timeout)
+            records, job = join(store, rank, world_size, record,
+                               max(0.001, deadline - time.monotonic()))
             agent = RpcAgent(name, rank, world_size, options, store, store_host, listener,
                              records, job)
         except BaseException:
