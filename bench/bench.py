@@ -76,7 +76,8 @@ def metric_specs():
          True, (">=", 3.0)),
     ]
     for label, _ in ECHO_SIZES:
-        specs.append((f"echo_{label}_GBps", f"tensor echo {label.replace('KiB', ' KiB').replace('MiB', ' MiB')} bandwidth (2×bytes/time)",
+        pretty = label.replace("KiB", " KiB").replace("MiB", " MiB")
+        specs.append((f"echo_{label}_GBps", f"tensor echo {pretty} bandwidth (2×bytes/time)",
                       "GB/s", True, (">=", 1.0)))
     return specs
 
@@ -142,7 +143,8 @@ def run_round(ctx, lib: str, cfg: dict, stall_timeout: float, round_timeout: flo
                     break
                 if now - rank0_done_at > shutdown_timeout:
                     res["notes"].append(
-                        f"shutdown did not finish within {shutdown_timeout:.0f} s; processes killed")
+                        f"shutdown did not finish within {shutdown_timeout:.0f} s; "
+                        "processes killed")
                     break
             # Messages --------------------------------------------------------
             try:
@@ -321,7 +323,7 @@ def _short_error(summary_lib: dict) -> str:
 
 def build_table(summary: dict, libs: list, rounds: int) -> str:
     have_both = "torch" in libs and "torchwire" in libs
-    cols = ["metric"] + [LIB_TITLES[l] for l in libs]
+    cols = ["metric"] + [LIB_TITLES[lib] for lib in libs]
     if have_both:
         cols += ["ratio (torchwire / torch)", "target", "met?"]
     lines = ["| " + " | ".join(cols) + " |", "|" + "|".join(
@@ -374,7 +376,7 @@ def build_table(summary: dict, libs: list, rounds: int) -> str:
 
 
 def build_per_round(summary: dict, libs: list) -> str:
-    cols = ["metric"] + [f"{LIB_TITLES[l]} per round" for l in libs]
+    cols = ["metric"] + [f"{LIB_TITLES[lib]} per round" for lib in libs]
     lines = ["| " + " | ".join(cols) + " |", "|" + "|".join(["---"] * len(cols)) + "|"]
     for key, label, unit, *_ in metric_specs():
         row = [label]
@@ -387,7 +389,7 @@ def build_per_round(summary: dict, libs: list) -> str:
 
 def build_report(summary, libs, rounds, cfg, args, machine, started, elapsed) -> str:
     echo_iters = ", ".join(f"{k}: {v}" for k, v in cfg["echo_iters"].items())
-    order = ", ".join(LIB_TITLES[l] for l in libs)
+    order = ", ".join(LIB_TITLES[lib] for lib in libs)
     parts = [
         "# torchwire vs torch.distributed.rpc benchmark",
         "",
@@ -401,7 +403,8 @@ def build_report(summary, libs, rounds, cfg, args, machine, started, elapsed) ->
         "## How it was measured",
         "",
         "- Two processes on 127.0.0.1 (worker0 drives, worker1 serves), started with the "
-        "multiprocessing `spawn` context; rendezvous via `init_method=tcp://127.0.0.1:<free port>`, "
+        "multiprocessing `spawn` context; rendezvous via "
+        "`init_method=tcp://127.0.0.1:<free port>`, "
         "`TensorPipeRpcBackendOptions(num_worker_threads=16, rpc_timeout=120)` for both libraries.",
         f"- A round = 2 fresh processes, `init_rpc`, all metrics, `shutdown()`. Rounds alternate "
         f"between libraries ({order}, repeated), {rounds} round(s) per library. "

@@ -179,7 +179,7 @@ class World:
 
     def run_all(self, fn, *args, timeout: float = 60) -> list:
         """Run ``fn(*args)`` on every worker at the same time."""
-        for p, conn in self._procs:
+        for _p, conn in self._procs:
             conn.send((fn, args))
         return [_recv(conn, p, timeout, f"{getattr(fn, '__name__', fn)} on worker{r}")
                 for r, (p, conn) in enumerate(self._procs)]

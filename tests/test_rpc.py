@@ -243,7 +243,8 @@ def body_bad_calls():
 
 def test_bad_destinations_and_arguments_are_clear_errors(world):
     errors = world.run(0, body_bad_calls)
-    assert errors["unknown_name"][0] == "UnknownWorkerError" and "nobody" in errors["unknown_name"][1]
+    assert errors["unknown_name"][0] == "UnknownWorkerError"
+    assert "nobody" in errors["unknown_name"][1]
     assert errors["unknown_name"][2]  # also a ValueError
     assert "17" in errors["unknown_rank"][1]
     assert errors["bad_to"][2]

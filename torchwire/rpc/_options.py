@@ -43,9 +43,11 @@ class TorchwireRpcBackendOptions:
                  max_message_size: int = DEFAULT_MAX_MESSAGE_SIZE,
                  listen_addr: str | None = None, init_timeout: float | None = None) -> None:
         if not isinstance(num_worker_threads, int) or num_worker_threads < 1:
-            raise ValueError(f"num_worker_threads must be a positive int, got {num_worker_threads!r}")
+            raise ValueError(
+                f"num_worker_threads must be a positive int, got {num_worker_threads!r}")
         if not isinstance(rpc_timeout, (int, float)) or rpc_timeout < 0:
-            raise ValueError(f"rpc_timeout must be >= 0 seconds (0 = no limit), got {rpc_timeout!r}")
+            raise ValueError(
+                f"rpc_timeout must be >= 0 seconds (0 = no limit), got {rpc_timeout!r}")
         if device_maps or devices:
             raise ValueError("CUDA device maps are not supported by this torchwire version; "
                              "move tensors to the CPU before sending them")
