@@ -598,7 +598,7 @@ def test_header_layout_is_little_endian_and_fixed():
     assert struct.unpack_from("<Q", data, 16)[0] == 0x11  # payload length
     assert struct.unpack_from("<I", data, 24)[0] == 1  # number of buffers
     assert struct.unpack_from("<Q", data, 32)[0] == 0x22  # first buffer length
-    assert [int(k) for k in F.Kind] == [1, 2, 3, 4, 5, 6]
+    assert [int(k) for k in F.Kind] == [1, 2, 3, 4, 5, 6, 7]
 
 
 def test_wrong_magic_is_protocol_error():
@@ -617,7 +617,7 @@ def test_wrong_version_is_protocol_error(version):
         F.decode_header(bytes(data))
 
 
-@pytest.mark.parametrize("kind", [0, 7, 200, 255])
+@pytest.mark.parametrize("kind", [0, 8, 200, 255])
 def test_unknown_kind_is_protocol_error(kind):
     data = F.encode_header(kind, 0, 1, 0, [])
     with pytest.raises(torchwire.ProtocolError, match="kind"):

@@ -45,6 +45,7 @@ from ._errors import (ConnectionClosedError, RpcStateError, RpcTimeoutError,
 from ._future import Future, set_dispatcher
 from ._pool import WorkerPool
 from ._timer import DeadlineTimer
+from ._wire import cma
 from ._wire import frame as F
 from ._wire.connection import Connection, client_handshake, server_handshake
 from ._wire.listener import Listener, connect_tcp, connect_unix, host_identity
@@ -139,6 +140,8 @@ class RpcAgent:
         self._timer = DeadlineTimer(self._expire)
         set_dispatcher(self._pool.submit)
         self._desc = repr(self.info)
+        channels = getattr(options, "_channels", None)
+        self._use_cma = channels is None or "cma" in channels
 
     def __repr__(self) -> str:
         return (f"<RpcAgent {self.name} rank={self.rank}/{self.world_size} "
@@ -267,9 +270,17 @@ class RpcAgent:
             raise self._unavailable(peer.info.id, f"handshake failed: {exc}") from exc
         conn = Connection(sock, peer.info.id, self._on_frames, self._on_close,
                           max_message_size=self.max_message_size, initiated=True,
-                          transport=transport)
+                          transport=transport, cma_pid=self._cma_pid(peer.record, transport),
+                          defer=self._pool.submit)
         conn.start()
         return conn
+
+    def _cma_pid(self, record: dict, transport: str) -> int | None:
+        """The peer's pid if large buffers may go by cross-memory attach, else None."""
+        if transport != "unix" or not self._use_cma or record.get("host") != self._host:
+            return None
+        info = record.get("cma")
+        return info["pid"] if cma.can_read(info) else None
 
     def _unavailable(self, rank: int, why: str) -> WorkerUnavailableError:
         info = self._peers[rank].info
@@ -413,7 +424,9 @@ class RpcAgent:
             return
         conn = Connection(sock, rank, self._on_frames, self._on_close,
                           max_message_size=self.max_message_size, initiated=False,
-                          transport=transport)
+                          transport=transport,
+                          cma_pid=self._cma_pid(self._peers[rank].record, transport),
+                          defer=self._pool.submit)
         with self._conn_lock:
             if self.state is AgentState.CLOSED:
                 conn.close()

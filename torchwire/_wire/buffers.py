@@ -31,6 +31,8 @@ class _Pool:
         self.blocks: list[_Block] = []
         self.cached = 0
         self.limit = MAX_CACHED_BYTES
+        self.hits = 0
+        self.misses = 0
 
     def take(self, n: int) -> _Block | None:
         with self.lock:
@@ -40,7 +42,9 @@ class _Pool:
                 if n <= size < 2 * n and (best is None or size < len(self.blocks[best])):
                     best = i
             if best is None:
+                self.misses += 1
                 return None
+            self.hits += 1
             block = self.blocks.pop(best)
             self.cached -= len(block)
             return block
@@ -88,6 +92,11 @@ def receive_buffer(n: int) -> torch.Tensor:
     if block is None:
         block = _Block(n)  # zero-filled by bytearray: pages faulted in one pass
     return torch.frombuffer(block, dtype=torch.uint8, count=n)
+
+
+def pool_stats() -> dict:
+    """Hits, misses and bytes held by the receive-buffer pool."""
+    return {"hits": _pool.hits, "misses": _pool.misses, "cached_bytes": _pool.cached}
 
 
 def cached_bytes() -> int:

@@ -26,6 +26,7 @@ import threading
 from .. import _threads
 from .._errors import ConnectionClosedError, ProtocolError
 from .._serialization import byte_view
+from . import cma
 from . import frame as F
 from .buffers import receive_buffer
 
@@ -33,6 +34,7 @@ log = logging.getLogger("torchwire")
 
 READ_BUF = 256 * 1024
 _IOV_MAX = 1000
+CMA_MIN = 256 * 1024  # smaller buffers are cheaper inline than a syscall + a RELEASE
 _PREFAULT_MIN = 1 << 20
 _PREFAULT_CHUNK = 2 << 20  # stay under Linux's IOV_MAX (1024)
 
@@ -51,7 +53,7 @@ class Connection:
 
     def __init__(self, sock: socket.socket, peer_rank: int, on_frames, on_close, *,
                  max_message_size: int = F.DEFAULT_MAX_MESSAGE_SIZE, initiated: bool,
-                 transport: str) -> None:
+                 transport: str, cma_pid: int | None = None, defer=None) -> None:
         self.sock = sock
         self.peer_rank = peer_rank
         self.initiated = initiated
@@ -66,6 +68,12 @@ class Connection:
         self.closed = False
         self.goodbye_received = False
         self.close_reason: BaseException | None = None
+        # Same-host peer whose memory we may read (and who may read ours): large
+        # buffers then travel by process_vm_readv instead of through the socket.
+        self.cma_pid = cma_pid
+        self._defer = defer or (lambda fn, *args: fn(*args))
+        self._cma_hold: dict[int, list] = {}
+        self._cma_tokens = 0
         self.frames_in = 0
         self.frames_out = 0
         self.bytes_in = 0
@@ -92,8 +100,11 @@ class Connection:
         Raises:
             ConnectionClosedError: the connection is closed or the write failed.
         """
+        token = 0
         if tensors:
             lens = [t.numel() * t.element_size() for t in tensors]
+            if self.cma_pid is not None and max(lens) >= CMA_MIN:
+                return self._send_cma_frame(kind, flags, request_id, payload, tensors, lens)
             parts = [F.encode_header(kind, flags, request_id, len(payload), lens), payload]
             parts.extend(byte_view(t, n) for t, n in zip(tensors, lens) if n)
             size = F.HEADER_SIZE + 8 * len(lens) + len(payload) + sum(lens)
@@ -101,11 +112,42 @@ class Connection:
             parts = [F.HEADER.pack(F.MAGIC, F.VERSION, kind, flags, request_id, len(payload),
                                    0, 0), payload]
             size = F.HEADER_SIZE + len(payload)
+        self._enqueue(parts, tensors, size, token)
+
+    def _send_cma_frame(self, kind, flags, request_id, payload, tensors, lens) -> None:
+        with self._qlock:
+            self._cma_tokens += 1
+            token = self._cma_tokens
+        wire_lens, refs = [], []
+        for t, n in zip(tensors, lens):
+            if n >= CMA_MIN:
+                wire_lens.append(n | F.REMOTE_BIT)
+                refs.append(F.REMOTE_REF.pack(t.data_ptr(), token))
+            else:
+                wire_lens.append(n)
+                refs.append(byte_view(t, n) if n else b"")
+        parts = [F.encode_header(kind, flags | F.F_CMA, request_id, len(payload), wire_lens),
+                 payload]
+        parts.extend(r for r in refs if len(r))
+        size = F.HEADER_SIZE + 8 * len(lens) + len(payload) + sum(lens)
+        self._enqueue(parts, tensors, size, token)
+
+    def send_release(self, token: int) -> None:
+        """Tell the peer we have read the buffers of ``token`` (it may free them)."""
+        try:
+            self._enqueue([F.HEADER.pack(F.MAGIC, F.VERSION, F.K_RELEASE, 0, token, 0, 0, 0)],
+                          (), F.HEADER_SIZE, 0)
+        except ConnectionClosedError:
+            pass
+
+    def _enqueue(self, parts, tensors, size: int, token: int) -> None:
         with self._qlock:
             if self.closed:
                 raise ConnectionClosedError(f"connection to rank {self.peer_rank} is closed")
             self._queue.extend(parts)
-            if tensors:
+            if token:
+                self._cma_hold[token] = tensors  # until the peer's RELEASE
+            elif tensors:
                 self._keep.append(tensors)
             self.frames_out += 1
             self.bytes_out += size
@@ -217,7 +259,7 @@ class Connection:
             m, ver, kind, flags, rid, plen, nbufs, _ = unpack_header(buf, start)
             if m != magic or ver != version:
                 F.decode_header(mv[start:start + header_size], maxsize)  # raises the precise error
-            if kind > F.K_CONTROL or kind < F.K_HELLO:
+            if kind > F.K_RELEASE or kind < F.K_HELLO:
                 raise ProtocolError(f"unknown frame kind {kind}")
             if plen > maxsize or nbufs > F.MAX_BUFFERS:
                 F.decode_header(mv[start:start + header_size], maxsize)
@@ -248,13 +290,34 @@ class Connection:
                 big = bytearray(plen)
                 read_exact_into(memoryview(big))
                 payload = big
+            release = 0
             for n in lens:
-                t = receive_buffer(n)
-                if n:
-                    read_exact_into(byte_view(t, n))
+                if n & F.REMOTE_BIT:
+                    if self.cma_pid is None:
+                        raise ProtocolError("peer sent a CMA buffer on a connection without CMA")
+                    n &= ~F.REMOTE_BIT
+                    ref = bytearray(F.REMOTE_REF.size)
+                    read_exact_into(memoryview(ref))
+                    addr, release = F.REMOTE_REF.unpack(ref)
+                    t = receive_buffer(n)
+                    try:
+                        cma.read(self.cma_pid, addr, t.data_ptr(), n)
+                    except OSError as exc:
+                        raise ProtocolError(f"cannot read a buffer from rank "
+                                            f"{self.peer_rank}'s memory: {exc}") from exc
+                else:
+                    t = receive_buffer(n)
+                    if n:
+                        read_exact_into(byte_view(t, n))
                 tensors.append(t)
+            if release:
+                self._defer(self.send_release, release)
+            if kind == F.K_RELEASE:
+                with self._qlock:
+                    self._cma_hold.pop(rid, None)
+                continue
             self.frames_in += 1
-            self.bytes_in += header_size + 8 * nbufs + plen + sum(lens)
+            self.bytes_in += header_size + 8 * nbufs + plen + sum(n & ~F.REMOTE_BIT for n in lens)
             if kind == F.K_GOODBYE:
                 self.goodbye_received = True
             frames.append((kind, flags, rid, payload, tensors))
@@ -276,6 +339,7 @@ class Connection:
             self.close_reason = reason
             self._queue = []
             self._keep = []
+            self._cma_hold.clear()
         try:
             self.sock.shutdown(socket.SHUT_RDWR)
         except OSError:

@@ -45,11 +45,13 @@ class Kind(enum.IntEnum):
     RESPONSE = 4  # reply to REQUEST with the same request id
     GOODBYE = 5  # orderly close: the sender will send nothing more
     CONTROL = 6  # internal one-way message (rref / autograd / membership)
+    RELEASE = 7  # wire level: the receiver has read the CMA buffers of token <request id>
 
 
 class Flags(enum.IntFlag):
     NONE = 0
     ERROR = 1  # RESPONSE carries an exception description, not a value
+    CMA = 2  # some buffers stay in the sender's memory: see REMOTE_BIT
 
 
 # Plain ints for the hot path (enum attribute access costs a dict lookup).
@@ -59,7 +61,14 @@ K_REQUEST = int(Kind.REQUEST)
 K_RESPONSE = int(Kind.RESPONSE)
 K_GOODBYE = int(Kind.GOODBYE)
 K_CONTROL = int(Kind.CONTROL)
+K_RELEASE = int(Kind.RELEASE)
 F_ERROR = int(Flags.ERROR)
+F_CMA = int(Flags.CMA)
+# In a CMA frame, a buffer length with this bit set is a buffer the receiver reads
+# from the sender's memory; the stream then carries 16 bytes instead of the
+# buffer: its address and the frame's release token (both u64).
+REMOTE_BIT = 1 << 63
+REMOTE_REF = struct.Struct("<QQ")
 _KINDS = frozenset(int(k) for k in Kind)
 
 
@@ -101,7 +110,7 @@ def decode_buffer_lens(data, nbufs: int, payload_len: int,
                        max_message_size: int = DEFAULT_MAX_MESSAGE_SIZE) -> list[int]:
     """Parse the buffer-length table and check the frame's total size."""
     lens = list(struct.unpack_from(f"<{nbufs}Q", data)) if nbufs else []
-    total = payload_len + sum(lens)
+    total = payload_len + sum(n & ~REMOTE_BIT for n in lens)
     if total > max_message_size:
         raise ProtocolError(f"frame of {total} bytes exceeds max message size {max_message_size}")
     return lens

@@ -13,6 +13,7 @@ from .._agent import AgentState, RpcAgent
 from .._errors import RpcStateError
 from .._future import Future
 from .._rendezvous import check_worker_name, join, open_store
+from .._wire import cma
 from .._wire.listener import Listener, host_identity
 from .._worker_info import WorkerInfo
 from ._options import (DEFAULT_SHUTDOWN_TIMEOUT, UNSET_RPC_TIMEOUT, BackendType,
@@ -114,7 +115,7 @@ def init_rpc(name, backend=None, rank=-1, world_size=None, rpc_backend_options=N
         try:
             record = {"name": name, "rank": rank, "host": host_identity(),
                       "tcp": list(listener.tcp_address), "unix": listener.unix_address,
-                      "pid": os.getpid()}
+                      "pid": os.getpid(), "cma": cma.probe_record()}
             records, job = join(store, rank, world_size, record,
                                max(0.001, deadline - time.monotonic()))
             agent = RpcAgent(name, rank, world_size, options, store, store_host, listener,
