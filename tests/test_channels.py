@@ -98,5 +98,8 @@ def test_receive_buffers_are_recycled():
         return None
 
     mine, theirs = run_world(body, 2)[0]
-    # after warm-up, large receive buffers come from the pool, not fresh memory
-    assert mine["hits"] >= 3 and theirs["hits"] >= 3, (mine, theirs)
+    # After warm-up every large receive buffer comes from the pool, not fresh memory:
+    # at most two misses per side (one buffer in use while the next arrives).
+    assert mine["misses"] <= 2 and theirs["misses"] <= 2, (mine, theirs)
+    assert mine["hits"] >= 4 and theirs["hits"] >= 4, (mine, theirs)
+    assert mine["lent"] == 0  # nothing kept alive once the tensors are gone

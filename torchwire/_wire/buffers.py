@@ -7,17 +7,19 @@ same sizes again and again (parameters, activations, gradients), so a buffer
 whose tensor has been freed is kept and reused for the next tensor of a
 similar size — as torch's CUDA caching allocator does for device memory.
 
-How a buffer comes back: the tensor is built with ``torch.frombuffer`` on a
-:class:`_Block` (a ``bytearray`` subclass).  When the last tensor or view over
-it is freed, torch releases the buffer, the block's refcount drops to zero and
-``_Block.__del__`` puts it back in the pool (Python allows an object to be
-resurrected from ``__del__``).  The pool is bounded (``MAX_CACHED_BYTES``); a
-block that does not fit is really freed.
+How a buffer comes back: the pool keeps plain ``bytearray``s; each use lends a
+fresh ``memoryview`` of one to ``torch.frombuffer``.  When the last tensor or
+view over it is freed, torch releases the memoryview, and a weak-reference
+callback on it puts the bytearray back in the pool.  (A fresh view per use
+matters: Python runs an object's finalizer at most once, so an object that
+resurrected itself from ``__del__`` would be lost on its second death.)  The
+pool is bounded (``MAX_CACHED_BYTES``); a buffer that does not fit is freed.
 """
 
 from __future__ import annotations
 
 import threading
+import weakref
 
 import torch
 
@@ -27,14 +29,15 @@ MAX_CACHED_BYTES = 1 << 30
 
 class _Pool:
     def __init__(self) -> None:
-        self.lock = threading.RLock()  # __del__ may run on a thread already inside take()
-        self.blocks: list[_Block] = []
+        self.lock = threading.RLock()  # a callback may run on a thread inside take()
+        self.blocks: list[bytearray] = []
         self.cached = 0
         self.limit = MAX_CACHED_BYTES
         self.hits = 0
         self.misses = 0
+        self.leases: dict[int, tuple] = {}
 
-    def take(self, n: int) -> _Block | None:
+    def take(self, n: int) -> bytearray | None:
         with self.lock:
             best = None
             for i, b in enumerate(self.blocks):
@@ -49,36 +52,28 @@ class _Pool:
             self.cached -= len(block)
             return block
 
-    def give(self, block: _Block) -> bool:
+    def lend(self, block: bytearray, n: int) -> memoryview:
+        """A view of ``block`` whose death returns ``block`` to the pool."""
+        view = memoryview(block)[:n]
+        key = id(view)
+
+        def returned(_ref, key=key) -> None:
+            with self.lock:
+                entry = self.leases.pop(key, None)
+                if entry is None:
+                    return
+                blk = entry[1]
+                if self.cached + len(blk) <= self.limit:
+                    self.blocks.append(blk)
+                    self.cached += len(blk)
+
         with self.lock:
-            if self.cached + len(block) > self.limit:
-                return False
-            self.blocks.append(block)
-            self.cached += len(block)
-            return True
+            self.leases[key] = (weakref.ref(view, returned), block)
+        return view
 
     def clear(self) -> None:
         with self.lock:
-            blocks, self.blocks, self.cached = self.blocks, [], 0
-        for b in blocks:
-            b.retire()
-
-
-class _Block(bytearray):
-    """A bytearray that returns itself to the pool when its last user lets go."""
-
-    __slots__ = ("_retired",)
-
-    def retire(self) -> None:
-        self._retired = True
-
-    def __del__(self) -> None:
-        if getattr(self, "_retired", False):
-            return
-        try:
-            _pool.give(self)
-        except Exception:  # at interpreter exit the pool may be gone
-            pass
+            self.blocks, self.cached = [], 0
 
 
 _pool = _Pool()
@@ -90,13 +85,14 @@ def receive_buffer(n: int) -> torch.Tensor:
         return torch.empty(n, dtype=torch.uint8)
     block = _pool.take(n)
     if block is None:
-        block = _Block(n)  # zero-filled by bytearray: pages faulted in one pass
-    return torch.frombuffer(block, dtype=torch.uint8, count=n)
+        block = bytearray(n)  # zero-filled: pages faulted in one pass, not inside recv
+    return torch.frombuffer(_pool.lend(block, n), dtype=torch.uint8)
 
 
 def pool_stats() -> dict:
-    """Hits, misses and bytes held by the receive-buffer pool."""
-    return {"hits": _pool.hits, "misses": _pool.misses, "cached_bytes": _pool.cached}
+    """Hits, misses, bytes held and buffers lent out by the receive-buffer pool."""
+    return {"hits": _pool.hits, "misses": _pool.misses, "cached_bytes": _pool.cached,
+            "lent": len(_pool.leases)}
 
 
 def cached_bytes() -> int:
