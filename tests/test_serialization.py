@@ -660,7 +660,7 @@ class _Sink:
         self.closed = threading.Event()
         self.close_exc = None
 
-    def on_frames(self, conn, frames) -> None:
+    def on_frames(self, conn, frames, inline_ok=False) -> None:
         self.frames.extend(frames)
 
     def on_close(self, conn, exc) -> None:

@@ -271,9 +271,16 @@ class RpcAgent:
         conn = Connection(sock, peer.info.id, self._on_frames, self._on_close,
                           max_message_size=self.max_message_size, initiated=True,
                           transport=transport, cma_pid=self._cma_pid(peer.record, transport),
-                          defer=self._pool.submit)
+                          defer=self._pool.submit, spawn=self._spawn_reader)
         conn.start()
         return conn
+
+    def _spawn_reader(self, read_loop) -> None:
+        """Run a connection's reading on a pool thread, not counted against the core."""
+        def run():
+            with self._pool.blocking():
+                read_loop()
+        self._pool.submit(run)
 
     def _cma_pid(self, record: dict, transport: str) -> int | None:
         """The peer's pid if large buffers may go by cross-memory attach, else None."""
@@ -315,8 +322,17 @@ class RpcAgent:
 
     # ------------------------------------------------------------------ incoming frames
 
-    def _on_frames(self, conn, frames) -> None:
-        """Reader thread: dispatch a batch of decoded frames."""
+    def _on_frames(self, conn, frames, inline_ok: bool = False):
+        """Reader thread: dispatch a batch of decoded frames.
+
+        Returns a callable when the batch is one lone request that the reader may
+        run itself after handing its reading off (see ``Connection._read_loop``).
+        """
+        if inline_ok and len(frames) == 1 and frames[0][0] == F.K_REQUEST:
+            _kind, _flags, rid, payload, tensors = frames[0]
+            with self._stats_lock:
+                self._received += 1
+            return lambda: self._serve(conn, rid, payload, tensors)
         work = []
         for kind, flags, rid, payload, tensors in frames:
             if kind == F.K_RESPONSE:
@@ -331,6 +347,7 @@ class RpcAgent:
             with self._stats_lock:
                 self._received += len(work)
             self._pool.submit_many(work)
+        return None
 
     def _complete(self, rid: int, flags: int, payload, tensors) -> None:
         entry = self._pending.pop(rid, None)
@@ -426,7 +443,7 @@ class RpcAgent:
                           max_message_size=self.max_message_size, initiated=False,
                           transport=transport,
                           cma_pid=self._cma_pid(self._peers[rank].record, transport),
-                          defer=self._pool.submit)
+                          defer=self._pool.submit, spawn=self._spawn_reader)
         with self._conn_lock:
             if self.state is AgentState.CLOSED:
                 conn.close()

@@ -12,6 +12,11 @@ def mark_io_thread() -> None:
     _local.io = True
 
 
+def set_io(flag: bool) -> None:
+    """Enter or leave the I/O role (a thread that hands its reading off runs user code)."""
+    _local.io = flag
+
+
 def in_io_thread() -> bool:
     return getattr(_local, "io", False)
 

@@ -46,14 +46,16 @@ class Connection:
         sock: a connected socket whose handshake is done.
         peer_rank: the rank the handshake proved.
         on_frames: ``on_frames(conn, frames)`` with a list of
-            ``(kind, flags, request_id, payload, tensors)``; called on the reader thread.
+            ``(kind, flags, request_id, payload, tensors)``; called on the reader thread
+            with ``inline_ok``: whether it may return one request to run in place.
         on_close: ``on_close(conn, exc_or_None)``; called once, on the reader thread.
         max_message_size: frames larger than this are a protocol error.
     """
 
     def __init__(self, sock: socket.socket, peer_rank: int, on_frames, on_close, *,
                  max_message_size: int = F.DEFAULT_MAX_MESSAGE_SIZE, initiated: bool,
-                 transport: str, cma_pid: int | None = None, defer=None) -> None:
+                 transport: str, cma_pid: int | None = None, defer=None,
+                 spawn=None) -> None:
         self.sock = sock
         self.peer_rank = peer_rank
         self.initiated = initiated
@@ -78,6 +80,8 @@ class Connection:
         self.frames_out = 0
         self.bytes_in = 0
         self.bytes_out = 0
+        self._spawn = spawn
+        self._reader_done = threading.Event()
         self._reader = threading.Thread(target=self._read_loop, daemon=True,
                                         name=f"torchwire-reader-{peer_rank}")
 
@@ -183,10 +187,22 @@ class Connection:
     # ------------------------------------------------------------------ reading
 
     def _read_loop(self) -> None:
-        _threads.mark_io_thread()
+        """Read until the connection ends, or until handing the reading off.
+
+        Hand-off (leader/follower): when a read leaves exactly one request and an
+        empty buffer, ``on_frames`` may return that request as a callable.  This
+        thread then asks ``spawn`` for another thread to go on reading (with a
+        fresh buffer: there is no state to pass) and runs the request itself, so
+        the request skips the reader -> pool hand-off on its way to execution.
+        """
+        _threads.set_io(True)
         exc: BaseException | None = None
         try:
-            self._read_frames()
+            inline = self._read_frames()
+            if inline is not None:
+                _threads.set_io(False)
+                inline()
+                return
         except (OSError, EOFError, ProtocolError, ConnectionClosedError) as e:
             exc = e
         except Exception as e:  # a bug in decoding must not leave the peer hanging
@@ -205,8 +221,9 @@ class Connection:
             self._on_close(self, exc if exc is not None else self.close_reason)
         except Exception:
             log.exception("torchwire: on_close handler failed")
+        self._reader_done.set()
 
-    def _read_frames(self) -> None:  # noqa: C901 - the hot loop, kept in one piece
+    def _read_frames(self):  # noqa: C901 - the hot loop, kept in one piece
         sock = self.sock
         buf = bytearray(READ_BUF)
         mv = memoryview(buf)
@@ -223,7 +240,7 @@ class Connection:
             nonlocal start, end, frames
             if frames:
                 batch, frames = frames, []
-                on_frames(self, batch)
+                on_frames(self, batch, False)
                 del batch
             if len(buf) - start < need:
                 n = end - start
@@ -246,7 +263,7 @@ class Connection:
             off = have
             if off < n and frames:
                 batch, frames = frames, []
-                on_frames(self, batch)
+                on_frames(self, batch, False)
             while off < n:
                 got = sock.recv_into(dst[off:])
                 if not got:
@@ -325,8 +342,11 @@ class Connection:
             if start == end:
                 batch, frames = frames, []
                 start = end = 0
-                on_frames(self, batch)
+                inline = on_frames(self, batch, self._spawn is not None)
                 batch = None
+                if inline is not None:
+                    self._spawn(self._read_loop)
+                    return inline
 
     # ------------------------------------------------------------------ closing
 
@@ -352,8 +372,9 @@ class Connection:
             pass
 
     def join(self, timeout: float) -> None:
-        if self._reader.is_alive() and threading.current_thread() is not self._reader:
-            self._reader.join(timeout)
+        """Wait until reading has ended (whichever thread holds the reader role)."""
+        if threading.current_thread() is not self._reader:
+            self._reader_done.wait(timeout)
 
 
 def _sendall(sock: socket.socket, parts: list) -> None:
