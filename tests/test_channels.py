@@ -103,3 +103,19 @@ def test_receive_buffers_are_recycled():
     assert mine["misses"] <= 2 and theirs["misses"] <= 2, (mine, theirs)
     assert mine["hits"] >= 4 and theirs["hits"] >= 4, (mine, theirs)
     assert mine["lent"] == 0  # nothing kept alive once the tensors are gone
+
+
+@pytest.mark.parametrize("transports, expected", [(None, "unix"), (["tcp"], "tcp")])
+def test_transport_choice_and_large_transfer(transports, expected):
+    def body(rank, world_size):
+        other = f"worker{1 - rank}"
+        value = _payloads()
+        got = rpc.rpc_sync(other, echo, args=(value,))
+        agent = rpc._api._get_current_rpc_agent()
+        conn = agent._peers[1 - rank].out
+        return conn.transport, conn.cma_pid is not None, _equal(value, got)
+
+    for transport, uses_cma, equal in run_world(body, 2, _transports=transports):
+        assert transport == expected
+        assert uses_cma is (expected == "unix" and cma.available())  # CMA only same-host
+        assert equal

@@ -142,6 +142,8 @@ class RpcAgent:
         self._desc = repr(self.info)
         channels = getattr(options, "_channels", None)
         self._use_cma = channels is None or "cma" in channels
+        transports = getattr(options, "_transports", None)
+        self._use_unix = transports is None or "uds" in transports or "unix" in transports
 
     def __repr__(self) -> str:
         return (f"<RpcAgent {self.name} rank={self.rank}/{self.world_size} "
@@ -253,7 +255,7 @@ class RpcAgent:
         rec = peer.record
         timeout = min(self.rpc_timeout, 30.0) if self.rpc_timeout > 0 else 30.0
         try:
-            if rec.get("host") == self._host and rec.get("unix"):
+            if rec.get("host") == self._host and rec.get("unix") and self._use_unix:
                 sock = connect_unix(rec["unix"], timeout)
                 transport = "unix"
             else:

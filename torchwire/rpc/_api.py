@@ -137,7 +137,9 @@ def _adopt_options(options):
             rpc_timeout=getattr(options, "rpc_timeout", 60.0),
             init_method=getattr(options, "init_method", "env://"),
             device_maps=getattr(options, "device_maps", None) or None,
-            devices=getattr(options, "devices", None) or None)
+            devices=getattr(options, "devices", None) or None,
+            _transports=getattr(options, "_transports", None),
+            _channels=getattr(options, "_channels", None))
     except AttributeError as exc:
         raise TypeError(f"rpc_backend_options must be TorchwireRpcBackendOptions, got "
                         f"{type(options).__name__}") from exc

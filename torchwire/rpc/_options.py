@@ -29,6 +29,11 @@ class TorchwireRpcBackendOptions:
         init_method: ``env://``, ``tcp://host:port`` or ``file:///path`` ("env://").
         device_maps, devices: accepted for compatibility; CUDA device maps are not
             supported yet and a non-empty map is refused.
+        _transports: transports a connection may use, of ``"uds"`` (Unix socket, same
+            host) and ``"tcp"``; ``None`` = all (Unix socket whenever the peer is on
+            this host).  ``["tcp"]`` forces TCP, for tests and benchmarks.
+        _channels: how large buffers may travel, of ``"cma"`` (cross-memory attach,
+            same host) and ``"socket"``; ``None`` = all.
         max_message_size: largest frame (payload + tensors) accepted from a peer, in bytes.
         listen_addr: interface address to listen on; by default the one that routes to
             the rendezvous host (``127.0.0.1`` when that is loopback or for ``file://``).
