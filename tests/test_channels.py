@@ -94,7 +94,11 @@ def test_receive_buffers_are_recycled():
                 y = rpc.rpc_sync("worker1", echo, args=(x,))
                 assert torch.equal(x, y)
                 del y
-            return pool_stats(), rpc.rpc_sync("worker1", pool_stats)
+            # The reader may still be returning from completing the last call (its
+            # locals hold the value for a moment); once it has completed one more
+            # call, it certainly has.
+            theirs = rpc.rpc_sync("worker1", pool_stats)
+            return pool_stats(), theirs
         return None
 
     mine, theirs = run_world(body, 2)[0]
