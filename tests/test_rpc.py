@@ -541,3 +541,20 @@ def test_public_names_are_exported_and_documented():
         assert name in rpc.__all__
     assert rpc.functions.async_execution.__doc__
     assert rpc.is_available() is True
+
+
+def body_slow_call_does_not_stall_connection():
+    slow = rpc.rpc_async("worker2", sleep_then, args=(2.0, "slow"))
+    t0 = time.monotonic()
+    fast = [rpc.rpc_sync("worker2", add, args=(i, 1)) for i in range(20)]
+    elapsed = time.monotonic() - t0
+    return fast, elapsed, slow.wait()
+
+
+def test_slow_function_does_not_stall_its_connection(world):
+    # the slow call arrives alone on the connection, so it runs on the thread that read
+    # it; reading must already have moved to another thread
+    fast, elapsed, slow = world.run(0, body_slow_call_does_not_stall_connection)
+    assert fast == [i + 1 for i in range(20)]
+    assert elapsed < 1.5  # well before the slow call (2 s) finishes
+    assert slow == "slow"
