@@ -157,7 +157,7 @@ def test_async_execution_plain_static_class(world):
 
 
 def body_async_wrong_type():
-    with pytest.raises(TypeError, match="must return a torch.futures.Future"):
+    with pytest.raises(RuntimeError, match="must return a torch.futures.Future object"):
         rpc.rpc_sync("worker1", async_wrong_type)
     return rpc.rpc_sync("worker1", add, args=(1, 1))
 
@@ -558,3 +558,35 @@ def test_slow_function_does_not_stall_its_connection(world):
     assert fast == [i + 1 for i in range(20)]
     assert elapsed < 1.5  # well before the slow call (2 s) finishes
     assert slow == "slow"
+
+
+def test_worker_info_validates_names_like_torch():
+    with pytest.raises(RuntimeError, match="Worker name must match"):
+        rpc.WorkerInfo("abc*", 0)
+    with pytest.raises(RuntimeError, match="must be non-empty"):
+        rpc.WorkerInfo("", 0)
+    with pytest.raises(RuntimeError, match="shorter than 128"):
+        rpc.WorkerInfo("a" * 500, 0)
+
+
+def test_future_callback_errors_like_torch():
+    fut = rpc.Future()
+    with pytest.raises(TypeError, match="incompatible function arguments"):
+        fut.then(None)
+    child = fut.then(lambda f, extra: None)  # wrong number of arguments
+    fut.set_result(1)
+    with pytest.raises(RuntimeError, match="Got the following error when running the callback"):
+        child.wait()
+
+
+def body_escaped_message():
+    try:
+        rpc.rpc_sync("worker1", raise_value_error, args=("first line\nsecond line",))
+    except ValueError as exc:
+        return str(exc)
+
+
+def test_remote_error_keeps_real_newlines(world):
+    msg = world.run(0, body_escaped_message)
+    assert "first line\nsecond line" in msg
+    assert msg == msg.encode("utf-8").decode("unicode_escape")  # no escaped sequences

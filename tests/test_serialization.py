@@ -757,3 +757,17 @@ def test_connection_reads_a_frame_with_more_buffers_than_its_read_buffer_holds()
         sender.join(10)
         conn.close()
         peer_sock.close()
+
+
+def test_non_contiguous_view_keeps_its_strides_and_sends_its_span_only():
+    base = torch.rand(5, 5)
+    view = base.narrow(1, 2, 2)  # strides (5, 1): not contiguous
+    payload, table = dumps(view)
+    assert sum(t.numel() * t.element_size() for t in table) == 22 * 4  # span, not 25
+    got = loads(payload, [t.reshape(-1).view(torch.uint8).clone() for t in table])
+    assert torch.equal(got, view) and not got.is_contiguous() and got.stride() == (5, 1)
+    sparse = torch.arange(100_000.0)[::1000]  # spans 99 001 elements for 100: compacted
+    payload, table = dumps(sparse)
+    assert sum(t.numel() * t.element_size() for t in table) == 100 * 4
+    got = loads(payload, [t.reshape(-1).view(torch.uint8).clone() for t in table])
+    assert torch.equal(got, sparse)

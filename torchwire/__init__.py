@@ -5,12 +5,12 @@ Public packages: :mod:`torchwire.rpc`.  Errors are re-exported here too.
 
 from ._errors import (ConnectionClosedError, ProtocolError, RemoteError, RendezvousError,
                       RpcStateError, RpcTimeoutError, SerializationError, TorchwireError,
-                      UnknownWorkerError, WorkerUnavailableError)
+                      UnknownWorkerError, WorkerUnavailableError, InvalidWorkerNameError)
 
 __version__ = "0.1.0"
 
 __all__ = [
     "TorchwireError", "RpcStateError", "RendezvousError", "WorkerUnavailableError",
     "RpcTimeoutError", "ProtocolError", "ConnectionClosedError", "SerializationError",
-    "RemoteError", "UnknownWorkerError", "__version__",
+    "RemoteError", "UnknownWorkerError", "InvalidWorkerNameError", "__version__",
 ]

@@ -382,10 +382,12 @@ class RpcAgent:
             if getattr(func, "_wrapped_async_rpc_function", None) is not None:
                 fut = func(*(args or ()), **(kwargs or {}))
                 if not isinstance(fut, torch._C.Future):
-                    raise TypeError(
-                        f"Functions decorated with @rpc.functions.async_execution must return a "
-                        f"torch.futures.Future, but {_func_name(func)} returned "
-                        f"{type(fut).__name__}")
+                    # torch's wording ("@rpc.async_function ... Future object,") kept for
+                    # error handling written against it
+                    raise RuntimeError(
+                        "Functions decorated with @rpc.async_function must return a "
+                        f"torch.futures.Future object, but {_func_name(func)} "
+                        f"(@rpc.functions.async_execution) returned {type(fut).__name__}")
                 fut.add_done_callback(lambda f: self._reply_future(conn, rid, f))
                 return
             result = func(*(args or ()), **(kwargs or {}))
@@ -608,7 +610,9 @@ class RpcAgent:
 
 def _unknown(what: str):
     from ._errors import UnknownWorkerError
-    return UnknownWorkerError(f"Unknown destination worker {what}")
+    # "could not find destination" is torch's phrase; ported error handling matches on it
+    return UnknownWorkerError(f"Unknown destination worker {what}: could not find destination "
+                              f"name {what} among this job's workers")
 
 
 def ser_protocol_error(kind: int):

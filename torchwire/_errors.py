@@ -20,6 +20,7 @@ __all__ = [
     "SerializationError",
     "RemoteError",
     "UnknownWorkerError",
+    "InvalidWorkerNameError",
 ]
 
 
@@ -82,6 +83,13 @@ class RemoteError(TorchwireError, RuntimeError):
         self.remote_type = remote_type
         self.worker_name = worker_name
         self.remote_traceback = remote_traceback
+
+
+class InvalidWorkerNameError(TorchwireError, ValueError, RuntimeError):
+    """A worker name breaks torch's rule (letters, digits, ``_``, ``-``, ``:``; 1-127 chars).
+
+    A ``ValueError`` (bad argument) and, as torch raises it, a ``RuntimeError``.
+    """
 
 
 class UnknownWorkerError(TorchwireError, ValueError, RuntimeError):

@@ -37,18 +37,28 @@ class Future(torch.futures.Future):
     """A :class:`torch.futures.Future` whose callbacks stay off I/O threads."""
 
     def then(self, callback):
+        if not callable(callback):
+            raise TypeError(f"then(): incompatible function arguments: callback must be "
+                            f"callable, got {type(callback).__name__}")
         child = Future()
 
         def run(fut):
             try:
                 child.set_result(callback(fut))
             except Exception as exc:
-                child.set_exception(exc)
+                # torch's wording: code ported from torch matches on it
+                err = RuntimeError("Got the following error when running the callback: "
+                                   f"{type(exc).__name__}: {exc}")
+                err.__cause__ = exc
+                child.set_exception(err)
 
         super().add_done_callback(lambda _f: _run_off_io(run, self))
         return child
 
     def add_done_callback(self, callback) -> None:
+        if not callable(callback):
+            raise TypeError(f"add_done_callback(): incompatible function arguments: callback "
+                            f"must be callable, got {type(callback).__name__}")
         super().add_done_callback(lambda _f: _run_off_io(callback, self))
 
     def wait(self):

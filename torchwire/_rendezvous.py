@@ -28,7 +28,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from ._errors import RendezvousError
+from ._errors import InvalidWorkerNameError, RendezvousError
 
 PREFIX = "torchwire"
 _NAME_RE = re.compile(r"[A-Za-z0-9_:\-]+")
@@ -42,12 +42,19 @@ def check_worker_name(name) -> None:
         ValueError: not a string, empty, too long, or has characters outside
             letters, digits, ``_``, ``-`` and ``:``.
     """
+    # Messages keep torch's phrases ("must be non-empty", "shorter than 128",
+    # "Worker name must match"): ported error handling matches on them.
     if not isinstance(name, str):
-        raise ValueError(f"worker name must be a str, got {type(name).__name__}")
-    if not name or len(name) >= MAX_NAME_LEN or not _NAME_RE.fullmatch(name):
-        raise ValueError(
-            f"Worker name must match ^[A-Za-z0-9-_:]*$ and be 1 to {MAX_NAME_LEN - 1} "
-            f"characters long, got {name!r}")
+        raise InvalidWorkerNameError(f"worker name must be a str, got {type(name).__name__}")
+    if not name:
+        raise InvalidWorkerNameError("Worker name must be non-empty")
+    if len(name) >= MAX_NAME_LEN:
+        raise InvalidWorkerNameError(
+            f"Worker name must be shorter than {MAX_NAME_LEN} characters, got {len(name)}")
+    if not _NAME_RE.fullmatch(name):
+        raise InvalidWorkerNameError(
+            f"Worker name must match ^[A-Za-z0-9-_:]*$ (letters, digits, '_', '-', ':'), "
+            f"got {name!r}")
 
 
 def _env_int(key: str, what: str) -> int:
@@ -203,7 +210,7 @@ def join(store, rank: int, world_size: int, record: dict, timeout: float
         if rank == 0:
             wait_count(store, "read", world_size, deadline)
         name, ranks = next(iter(dups.items()))
-        raise RendezvousError(f"worker name {name!r} is used by ranks {ranks}: "
+        raise RendezvousError(f"worker name {name!r} is not unique: it is used by ranks {ranks}; "
                               "every worker needs a unique name")
     return records, job
 

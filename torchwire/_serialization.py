@@ -61,6 +61,34 @@ def _rebuild_tensor(index: int, dtype: torch.dtype, shape: tuple, requires_grad:
     raw: torch.Tensor = _tls.tensors[index]
     t = raw.view(dtype) if dtype is not torch.uint8 else raw
     t = t.view(shape)
+    return _finish_tensor(t, requires_grad, cls)
+
+
+_MAX_SPAN_RATIO = 4
+
+
+def _span(t: torch.Tensor) -> int | None:
+    """Elements from a strided tensor's first to its last, or None if a stride is 0."""
+    if t.numel() == 0:
+        return None
+    span = 1
+    for size, stride in zip(t.shape, t.stride()):
+        if size > 1:
+            if stride <= 0:
+                return None
+            span += (size - 1) * stride
+    return span
+
+
+def _rebuild_strided(index: int, dtype: torch.dtype, shape: tuple, stride: tuple,
+                     requires_grad: bool, cls: type | None):
+    raw: torch.Tensor = _tls.tensors[index]
+    t = raw.view(dtype) if dtype is not torch.uint8 else raw
+    t = t.as_strided(shape, stride)
+    return _finish_tensor(t, requires_grad, cls)
+
+
+def _finish_tensor(t: torch.Tensor, requires_grad: bool, cls: type | None):
     if cls is torch.nn.Parameter:
         return torch.nn.Parameter(t, requires_grad=requires_grad)
     if requires_grad:
@@ -134,13 +162,24 @@ class _RpcPickler(pickle.Pickler):
         if data.is_conj() or data.is_neg():
             # lazy conjugate / negative views: the bytes in memory are not the values
             data = data.resolve_conj().resolve_neg()
+        cls = type(t)
+        cls = None if cls is torch.Tensor else cls
         if not data.is_contiguous():
+            # torch keeps a non-contiguous tensor's strides.  Send the region of memory the
+            # view spans (its own elements and the gaps between them) when that is at most
+            # _MAX_SPAN_RATIO x its elements; a sparser view is compacted instead.  Never
+            # the whole storage.
+            span = _span(data)
+            if span is not None and span <= _MAX_SPAN_RATIO * data.numel():
+                region = data.as_strided((span,), (1,), data.storage_offset())
+                index = len(self.tensors)
+                self.tensors.append(region)
+                return _rebuild_strided, (index, t.dtype, tuple(t.shape), tuple(data.stride()),
+                                          t.requires_grad, cls)
             data = data.contiguous()
         index = len(self.tensors)
         self.tensors.append(data)
-        cls = type(t)
-        return _rebuild_tensor, (index, t.dtype, tuple(t.shape), t.requires_grad,
-                                 None if cls is torch.Tensor else cls)
+        return _rebuild_tensor, (index, t.dtype, tuple(t.shape), t.requires_grad, cls)
 
     @staticmethod
     def _reduce_script_function(fn):
@@ -197,7 +236,12 @@ def loads(payload, tensors: list[torch.Tensor], recv_hook=None) -> Any:
     try:
         return pickle.loads(payload)
     except Exception as exc:
-        raise SerializationError(f"cannot unpickle message: {type(exc).__name__}: {exc}") from exc
+        hint = ""
+        if isinstance(exc, (AttributeError, ImportError)):
+            hint = (" (the RPC pickler does not serialize function code: a function must be "
+                    "defined, importable under the same module name, on both workers)")
+        raise SerializationError(
+            f"cannot unpickle message: {type(exc).__name__}: {exc}{hint}") from exc
     finally:
         _tls.tensors, _tls.recv_hook = prev, prev_hook
 
@@ -213,7 +257,8 @@ def _short_type(obj: Any) -> str:
 def dumps_exception(exc: BaseException, worker_desc: str, tb_text: str) -> bytes:
     """Describe an exception with plain strings, so the caller can always decode it."""
     cls = type(exc)
-    message = f"On {worker_desc}:\n{exc!r}\n{tb_text}"
+    # str(), not repr(): keeps the message's own newlines instead of "\\n" escapes
+    message = f"On {worker_desc}:\n{cls.__name__}({exc})\n{tb_text}"
     return pickle.dumps((cls.__module__, cls.__qualname__, message, worker_desc, tb_text),
                         protocol=_PROTOCOL)
 
@@ -238,7 +283,9 @@ def loads_exception(payload) -> BaseException:
         except Exception:
             exc_obj = None
     if exc_obj is None:
-        exc_obj = RemoteError(f"{module}.{qualname}: {message}", remote_type=f"{module}.{qualname}",
+        exc_obj = RemoteError(f"Original exception on remote side was {module}.{qualname} "
+                              f"(it could not be rebuilt here): {message}",
+                              remote_type=f"{module}.{qualname}",
                               worker_name=worker_desc, remote_traceback=tb_text)
     else:
         try:

@@ -17,6 +17,8 @@ class WorkerInfo:
     __slots__ = ("name", "id")
 
     def __init__(self, name: str, id: int) -> None:  # noqa: A002 - torch's argument name
+        from ._rendezvous import check_worker_name
+        check_worker_name(name)
         self.name = name
         self.id = id
 

@@ -8,10 +8,11 @@ from __future__ import annotations
 
 from .._errors import (ConnectionClosedError, ProtocolError, RemoteError, RendezvousError,
                        RpcStateError, RpcTimeoutError, SerializationError, TorchwireError,
-                       UnknownWorkerError, WorkerUnavailableError)
+                       UnknownWorkerError, WorkerUnavailableError, InvalidWorkerNameError)
 from .._future import Future
 from .._worker_info import WorkerInfo
 from . import functions
+from ._api import _set_rpc_timeout  # noqa: F401 - private, as in torch
 from ._api import (get_rpc_timeout, get_worker_info, init_rpc, is_available, rpc_async,
                    rpc_sync, shutdown, stats)
 from ._options import (DEFAULT_INIT_METHOD, DEFAULT_NUM_WORKER_THREADS, DEFAULT_RPC_TIMEOUT_SEC,
@@ -27,7 +28,7 @@ __all__ = [
     "DEFAULT_SHUTDOWN_TIMEOUT", "UNSET_RPC_TIMEOUT",
     "TorchwireError", "RpcStateError", "RendezvousError", "WorkerUnavailableError",
     "RpcTimeoutError", "ProtocolError", "ConnectionClosedError", "SerializationError",
-    "RemoteError", "UnknownWorkerError",
+    "RemoteError", "UnknownWorkerError", "InvalidWorkerNameError",
 ]
 
 for _name in __all__:

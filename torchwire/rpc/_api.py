@@ -93,7 +93,7 @@ def init_rpc(name, backend=None, rank=-1, world_size=None, rpc_backend_options=N
     global _agent
     check_worker_name(name)
     if backend is not None and not isinstance(backend, BackendType):
-        raise TypeError(f"backend must be a torchwire.rpc.BackendType, got {backend!r}")
+        raise TypeError(f"Argument backend must be a member of BackendType, got {backend!r}")
     if rank is None:
         rank = -1
     if not isinstance(rank, int) or isinstance(rank, bool):
@@ -131,6 +131,11 @@ def _adopt_options(options):
     """Accept torchwire's options, or any object with torch's option attributes."""
     if isinstance(options, TorchwireRpcBackendOptions):
         return options
+    import torch.distributed.rpc as torch_rpc
+    if not (hasattr(torch_rpc, "RpcBackendOptions")
+            and isinstance(options, torch_rpc.RpcBackendOptions)):
+        raise TypeError("Argument rpc_backend_options must be an instance of RpcBackendOptions "
+                        f"(torchwire.rpc.TorchwireRpcBackendOptions), got {type(options).__name__}")
     try:
         return TorchwireRpcBackendOptions(
             num_worker_threads=getattr(options, "num_worker_threads", 16),
@@ -195,6 +200,14 @@ def stats() -> dict:
 def get_rpc_timeout() -> float:
     """The default timeout of calls, in seconds, as set by ``rpc_timeout``."""
     return _require_agent().rpc_timeout
+
+
+def _set_rpc_timeout(rpc_timeout: float) -> None:
+    """Change the default timeout of calls (seconds; 0 = no limit), like torch's private one."""
+    if isinstance(rpc_timeout, bool) or not isinstance(rpc_timeout, (int, float)) \
+            or rpc_timeout < 0:
+        raise ValueError(f"rpc_timeout must be >= 0 seconds, got {rpc_timeout!r}")
+    _require_agent().rpc_timeout = float(rpc_timeout)
 
 
 def _resolve_timeout(agent: RpcAgent, timeout) -> float:
