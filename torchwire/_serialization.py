@@ -67,6 +67,14 @@ def _rebuild_tensor(index: int, dtype: torch.dtype, shape: tuple, requires_grad:
 _MAX_SPAN_RATIO = 4
 
 
+def _rebuild_plain(index: int, dtype: torch.dtype, shape: tuple):
+    """Rebuild for the fast path of ``_reduce_tensor``: two torch calls."""
+    raw: torch.Tensor = _tls.tensors[index]
+    t = (raw.view(dtype) if dtype is not torch.uint8 else raw).view(shape)
+    hook = getattr(_tls, "recv_hook", None)
+    return hook(t) if hook is not None else t
+
+
 def _span(t: torch.Tensor) -> int | None:
     """Elements from a strided tensor's first to its last, or None if a stride is 0."""
     if t.numel() == 0:
@@ -140,6 +148,15 @@ class _RpcPickler(pickle.Pickler):
         return NotImplemented
 
     def _reduce_tensor(self, t: torch.Tensor):
+        # Fast path for the common case (a small, plain, dense, contiguous CPU tensor):
+        # every torch call costs microseconds when caches are cold between messages,
+        # so it makes as few as it can.
+        if (type(t) is torch.Tensor and t.layout is torch.strided and t.is_cpu
+                and not t.requires_grad and t.is_contiguous() and not t.is_quantized
+                and not (t.is_conj() or t.is_neg())):
+            index = len(self.tensors)
+            self.tensors.append(t)
+            return _rebuild_plain, (index, t.dtype, tuple(t.shape))
         if t.is_sparse:
             if t.requires_grad:
                 rg, t = True, t.detach()

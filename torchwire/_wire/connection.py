@@ -106,7 +106,7 @@ class Connection:
         """
         token = 0
         if tensors:
-            lens = [t.numel() * t.element_size() for t in tensors]
+            lens = [t.nbytes for t in tensors]
             if self.cma_pid is not None and max(lens) >= CMA_MIN:
                 return self._send_cma_frame(kind, flags, request_id, payload, tensors, lens)
             parts = [F.encode_header(kind, flags, request_id, len(payload), lens), payload]
