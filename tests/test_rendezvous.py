@@ -124,36 +124,32 @@ def test_init_via_env_takes_rank_and_world_size_from_environment():
     _assert_joined(run_world(body, 3, init=False, timeout=60), 3)
 
 
-def test_env_init_without_master_addr_is_value_error():
+def _env_init_error(env: dict, unset: tuple, **init_kwargs):
+    """Run init_rpc("worker0", env://) in a fresh process with ``env``; return its error."""
     def body(rank, world_size, _unused):
-        for key in ("MASTER_ADDR", "MASTER_PORT"):
+        for key in unset:
             os.environ.pop(key, None)
+        os.environ.update(env)
         try:
-            rpc.init_rpc("worker0", rank=0, world_size=1,
-                         rpc_backend_options=_opts("env://", rpc_timeout=2))
+            rpc.init_rpc("worker0", rpc_backend_options=_opts("env://", rpc_timeout=2),
+                         **init_kwargs)
         except Exception as exc:
             return _error(exc)
         rpc.shutdown()
         return ("no error", "")
 
-    name, msg = run_world(body, 1, init=False, timeout=30)[0]
+    return run_world(body, 1, init=False, timeout=30)[0]
+
+
+def test_env_init_without_master_addr_is_value_error():
+    name, msg = _env_init_error({}, ("MASTER_ADDR", "MASTER_PORT"), rank=0, world_size=1)
     assert name == "ValueError"
     assert "MASTER_ADDR" in msg
 
 
 def test_env_init_without_rank_in_environment_is_value_error():
-    def body(rank, world_size, _unused):
-        os.environ.pop("RANK", None)
-        os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()),
-                           "WORLD_SIZE": "1"})
-        try:
-            rpc.init_rpc("worker0", rpc_backend_options=_opts("env://", rpc_timeout=2))
-        except Exception as exc:
-            return _error(exc)
-        rpc.shutdown()
-        return ("no error", "")
-
-    name, msg = run_world(body, 1, init=False, timeout=30)[0]
+    name, msg = _env_init_error({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()),
+                                 "WORLD_SIZE": "1"}, ("RANK",))
     assert name == "ValueError"
     assert "RANK" in msg
 

@@ -112,7 +112,6 @@ class RpcAgent:
         self.world_size = world_size
         self.options = options
         self.store = store
-        self._store_host = store_host
         self._listener = listener
         self._job = job
         self._host = host_identity()
@@ -207,7 +206,7 @@ class RpcAgent:
         if self.state is AgentState.CLOSED:
             raise RpcStateError("RPC agent is shut down; call torchwire.rpc.init_rpc first")
         payload, tensors = ser.dumps((func, args, kwargs))
-        if len(payload) + sum(t.numel() * t.element_size() for t in tensors) > \
+        if len(payload) + (sum(t.nbytes for t in tensors) if tensors else 0) > \
                 self.max_message_size:
             raise SerializationError(
                 f"message of {len(payload)} bytes + tensors exceeds max_message_size "
