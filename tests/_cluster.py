@@ -72,8 +72,20 @@ def options(init_method: str, **kw):
 # --------------------------------------------------------------------- fresh jobs
 
 
+_child_conn = None
+
+
+def die(value=None) -> None:
+    """In a :func:`run_world` body: report ``value`` as this rank's result and exit at
+    once, without shutdown (a crashed worker, as far as its peers can tell)."""
+    _child_conn.send(("ok", value))
+    os._exit(0)
+
+
 def _world_child(conn, fn, rank, world_size, init_method, init, opts):
+    global _child_conn
     import torchwire.rpc as rpc
+    _child_conn = conn
     try:
         if init:
             rpc.init_rpc(f"worker{rank}", rank=rank, world_size=world_size,

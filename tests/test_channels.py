@@ -25,13 +25,13 @@ def echo(x):
 
 def held_buffers():
     """How many frames' tensors this worker still keeps for peers to read."""
-    agent = rpc._api._get_current_rpc_agent()
+    agent = rpc.api._get_current_rpc_agent()
     conns = list(agent._incoming) + [p.out for p in agent._peers if p.out is not None]
     return sum(len(getattr(c, "_cma_hold", {})) for c in conns)
 
 
 def out_connection_uses_cma(to):
-    agent = rpc._api._get_current_rpc_agent()
+    agent = rpc.api._get_current_rpc_agent()
     return agent._peers[agent.get_worker_info(to).id].out.cma_pid is not None
 
 
@@ -115,7 +115,7 @@ def test_transport_choice_and_large_transfer(transports, expected):
         other = f"worker{1 - rank}"
         value = _payloads()
         got = rpc.rpc_sync(other, echo, args=(value,))
-        agent = rpc._api._get_current_rpc_agent()
+        agent = rpc.api._get_current_rpc_agent()
         conn = agent._peers[1 - rank].out
         return conn.transport, conn.cma_pid is not None, _equal(value, got)
 

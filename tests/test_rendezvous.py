@@ -23,7 +23,7 @@ import torchwire
 import torchwire.rpc as rpc
 from _cluster import new_init_method, run_world
 from torchwire._rendezvous import PREFIX, check_worker_name, wait_count
-from torchwire.rpc._api import _get_current_rpc_agent
+from torchwire.rpc.api import _get_current_rpc_agent
 
 # Keeps failed-init exceptions (and, through their tracebacks, the store objects)
 # alive in a child until it exits: a FileStore that is destroyed counts towards the

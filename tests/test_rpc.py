@@ -203,7 +203,7 @@ def body_unpicklable_args():
 
 
 def _received_requests():
-    from torchwire.rpc._api import _get_current_rpc_agent
+    from torchwire.rpc.api import _get_current_rpc_agent
     return _get_current_rpc_agent()._received
 
 
@@ -389,7 +389,7 @@ def release(key, value):
 
 def pool_threads():
     """Pool threads, and how many connections this worker reads (a reader may be one)."""
-    agent = rpc._api._get_current_rpc_agent()
+    agent = rpc.api._get_current_rpc_agent()
     connections = len(agent._incoming) + sum(p.out is not None for p in agent._peers)
     return sum(t.name.startswith("torchwire-worker") for t in threading.enumerate()), connections
 

@@ -134,6 +134,7 @@ class RpcAgent:
         self._idle = threading.Condition(threading.Lock())
         self._draining = False
         self._incoming: set = set()
+        self._plugins: list = []
         self._conn_lock = threading.Lock()
         self._pool = WorkerPool(options.num_worker_threads, name=f"torchwire-{name}")
         self._timer = DeadlineTimer(self._expire)
@@ -170,6 +171,16 @@ class RpcAgent:
     def start(self) -> None:
         self._listener.set_handler(self._on_accept)
 
+    def add_plugin(self, plugin) -> None:
+        """Attach a layer above the agent (RRefs) to shutdown.
+
+        ``plugin`` has ``settle(deadline)`` (send everything queued and wait for it;
+        called before each termination-detection round), ``idle() -> bool``,
+        ``all_arrived()`` (every worker has entered graceful shutdown) and
+        ``close()`` (the agent is closed).
+        """
+        self._plugins.append(plugin)
+
     # ------------------------------------------------------------------ name table
 
     def get_worker_info(self, to=None) -> WorkerInfo:
@@ -205,32 +216,60 @@ class RpcAgent:
         """
         if self.state is AgentState.CLOSED:
             raise RpcStateError("RPC agent is shut down; call torchwire.rpc.init_rpc first")
-        payload, tensors = ser.dumps((func, args, kwargs))
+        peer = to.id
+        payload, tensors, sent = ser.dumps_to((func, args, kwargs), peer, True)
         if len(payload) + (sum(t.nbytes for t in tensors) if tensors else 0) > \
                 self.max_message_size:
+            if sent is not None:
+                sent.abort()
             raise SerializationError(
                 f"message of {len(payload)} bytes + tensors exceeds max_message_size "
                 f"{self.max_message_size}")
         fut = Future()
         rid = next(self._rids)
-        peer = to.id
         try:
             conn = self._connection_to(peer)
-        except WorkerUnavailableError as exc:
+        except (WorkerUnavailableError, RpcStateError) as exc:
+            if sent is not None:
+                sent.abort()
             fut.set_exception(exc)
             return fut
         tick = None
         if timeout > 0:
             tick = self._timer.add(rid, time.monotonic() + timeout)
-        self._pending[rid] = (fut, tick, peer, conn, timeout, func)
+        # ``sent`` rides along: it pins what must stay alive until the reply (RRefs)
+        self._pending[rid] = (fut, tick, peer, conn, timeout, func, sent)
         try:
             conn.send_frame(F.K_REQUEST, 0, rid, payload, tensors)
         except ConnectionClosedError as exc:
+            if sent is not None:
+                sent.abort()
             self._fail(rid, self._unavailable(peer, f"connection lost: {exc}"))
             return fut
         with self._stats_lock:
             self._sent += 1
         return fut
+
+    def notify(self, to: WorkerInfo, func, args) -> None:
+        """Send a one-way request (request id 0): ``func(*args)`` runs there, no reply.
+
+        For internal control messages whose loss can only mean the peer is gone.
+
+        Raises:
+            RpcStateError, WorkerUnavailableError, ConnectionClosedError,
+            SerializationError: it could not be sent.
+        """
+        if self.state is AgentState.CLOSED:
+            raise RpcStateError("RPC agent is shut down")
+        payload, tensors, sent = ser.dumps_to((func, args, None), to.id, False)
+        try:
+            self._connection_to(to.id).send_frame(F.K_REQUEST, 0, 0, payload, tensors)
+        except BaseException:
+            if sent is not None:
+                sent.abort()
+            raise
+        with self._stats_lock:
+            self._sent += 1
 
     def _connection_to(self, rank: int):
         peer = self._peers[rank]
@@ -314,7 +353,7 @@ class RpcAgent:
             entry = self._pending.pop(rid, None)
             if entry is None:
                 continue
-            fut, _tick, peer, _conn, timeout, func = entry
+            fut, _tick, peer, _conn, timeout, func, _sent = entry
             name = self._peers[peer].info.name
             fut.set_exception(RpcTimeoutError(
                 f"RPC ran for more than set timeout ({int(timeout * 1000)} ms) and will now be "
@@ -351,22 +390,28 @@ class RpcAgent:
         return None
 
     def _complete(self, rid: int, flags: int, payload, tensors) -> None:
-        entry = self._pending.pop(rid, None)
+        entry = self._pending.get(rid)
         if entry is None:
             return  # reply to a call that already timed out: dropped quietly
-        fut, tick, peer = entry[0], entry[1], entry[2]
-        if tick is not None:
-            self._timer.cancel(rid, tick)
+        # Decode while the call still counts as pending: what unpickling starts (RRef
+        # fork messages) is then visible to shutdown's termination detection.
         if flags & F.F_ERROR:
-            fut.set_exception(ser.loads_exception(payload))
+            value, error = None, ser.loads_exception(payload)
         else:
             try:
-                value = ser.loads(payload, tensors)
+                value, error = ser.loads(payload, tensors), None
             except SerializationError as exc:
-                fut.set_exception(SerializationError(
-                    f"cannot decode the reply from {self._peers[peer].info.name}: {exc}"))
-            else:
-                fut.set_result(value)
+                value, error = None, SerializationError(
+                    f"cannot decode the reply from {self._peers[entry[2]].info.name}: {exc}")
+        if self._pending.pop(rid, None) is None:
+            return  # timed out while decoding
+        fut, tick = entry[0], entry[1]
+        if tick is not None:
+            self._timer.cancel(rid, tick)
+        if error is not None:
+            fut.set_exception(error)
+        else:
+            fut.set_result(value)
         if self._draining:
             self._note_idle()
 
@@ -393,6 +438,9 @@ class RpcAgent:
         except Exception as exc:
             self._reply_error(conn, rid, exc, traceback.format_exc())
             return
+        # Release the arguments before replying: an RRef among them sends its
+        # deletion before the caller learns the call is over.
+        del func, args, kwargs, payload, tensors
         self._reply_value(conn, rid, result)
 
     def _reply_future(self, conn, rid: int, fut) -> None:
@@ -407,8 +455,10 @@ class RpcAgent:
         self._reply_value(conn, rid, value)
 
     def _reply_value(self, conn, rid: int, value) -> None:
+        if rid == 0:
+            return  # one-way request (notify)
         try:
-            payload, tensors = ser.dumps(value)
+            payload, tensors, sent = ser.dumps_to(value, conn.peer_rank, False)
         except SerializationError as exc:
             self._reply_error(conn, rid, SerializationError(
                 f"the return value could not be serialized: {exc}"), "")
@@ -416,10 +466,16 @@ class RpcAgent:
         try:
             conn.send_frame(F.K_RESPONSE, 0, rid, payload, tensors)
         except ConnectionClosedError:
+            if sent is not None:
+                sent.abort()
             log.debug("torchwire: reply %d to rank %s dropped: connection closed", rid,
                       conn.peer_rank)
 
     def _reply_error(self, conn, rid: int, exc: BaseException, tb: str) -> None:
+        if rid == 0:
+            log.warning("torchwire: one-way request from rank %s failed on %s: %s: %s\n%s",
+                        conn.peer_rank, self.name, type(exc).__name__, exc, tb)
+            return
         payload = ser.dumps_exception(exc, self._desc, tb)
         try:
             conn.send_frame(F.K_RESPONSE, F.F_ERROR, rid, payload)
@@ -510,10 +566,7 @@ class RpcAgent:
         store, world = self.store, self.world_size
         previous = None
         for r in itertools.count():
-            if not self._wait_idle(deadline):
-                raise RpcTimeoutError(
-                    f"graceful shutdown of {self.name} timed out: {len(self._pending)} call(s) "
-                    "still pending")
+            self._settle(deadline)
             with self._stats_lock:
                 mine = f"{self._sent},{self._received}"
             keys = [f"sd/{r}/{k}" for k in range(world)]
@@ -528,11 +581,26 @@ class RpcAgent:
             recv = sum(c[1] for c in counts)
             if sent == recv and counts == previous:
                 break
+            if r == 0:
+                for p in self._plugins:
+                    p.all_arrived()
             previous = counts
         # Exit barrier: rank 0 may host the store, so it leaves last.
         store.set(f"sd/exit/{self.rank}", "1")
         if self.rank == 0:
             self._gather([f"sd/exit/{k}" for k in range(world)], deadline)
+
+    def _settle(self, deadline: float) -> None:
+        """Wait until no call is pending and no plugin has control messages to send."""
+        while True:
+            for p in self._plugins:
+                p.settle(deadline)
+            if not self._wait_idle(deadline):
+                raise RpcTimeoutError(
+                    f"graceful shutdown of {self.name} timed out: {len(self._pending)} call(s) "
+                    "still pending")
+            if all(p.idle() for p in self._plugins):
+                return
 
     def _gather(self, keys: list[str], deadline: float) -> list[bytes]:
         """Wait for one key per rank; between waits, check that missing ranks are alive.
@@ -604,6 +672,11 @@ class RpcAgent:
         err = RpcStateError("RPC agent is shut down before the call completed")
         for rid in list(self._pending):
             self._fail(rid, err)
+        for p in self._plugins:
+            try:
+                p.close()
+            except Exception:
+                log.exception("torchwire: closing %r failed", p)
         self._pool.shutdown(5.0)
 
 

@@ -11,6 +11,7 @@ torch's future does.
 
 from __future__ import annotations
 
+import copy
 from typing import Any, Callable
 
 import torch
@@ -61,9 +62,45 @@ class Future(torch.futures.Future):
                             f"must be callable, got {type(callback).__name__}")
         super().add_done_callback(lambda _f: _run_off_io(callback, self))
 
+    def _add_inline_callback(self, callback) -> None:
+        """Internal: run ``callback(self)`` on whichever thread completes the future,
+        I/O threads included.  Only for short, non-blocking bookkeeping."""
+        torch._C.Future.add_done_callback(self, callback)
+
     def wait(self):
-        pool = _threads.current_pool()
-        if pool is not None and not self.done():
-            with pool.blocking():
-                return super().wait()
-        return super().wait()
+        """Block until done; return the value or raise the error.
+
+        Unlike torch's future, the error raised is a copy of the stored one: the
+        stored exception then never gains a traceback through the waiter's frames,
+        which would make an uncollectable cycle (future -> exception -> frame ->
+        future, the first link in C++) keeping every local of those frames alive,
+        RRefs and tensors included.
+        """
+        try:
+            pool = _threads.current_pool()
+            if pool is not None and not self.done():
+                with pool.blocking():
+                    return super().wait()
+            return super().wait()
+        except BaseException as exc:
+            raise _fresh(exc) from exc.__cause__
+
+    def value(self):
+        """The value, or raise the error (a copy, as :meth:`wait`)."""
+        try:
+            return super().value()
+        except BaseException as exc:
+            raise _fresh(exc) from exc.__cause__
+
+
+def _fresh(exc: BaseException) -> BaseException:
+    """A copy of ``exc`` without a traceback; ``exc`` loses the frames it gained."""
+    exc.__traceback__ = None
+    try:
+        new = copy.copy(exc)
+    except Exception:
+        return exc
+    if type(new) is not type(exc):
+        return exc
+    new.__traceback__ = None
+    return new

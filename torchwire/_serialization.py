@@ -242,6 +242,58 @@ def dumps(obj: Any) -> tuple[bytes, list[torch.Tensor]]:
         cached[2] = False
 
 
+class SendContext:
+    """What a reducer may know about the message being pickled, and what it left behind.
+
+    Attributes:
+        dest: rank of the worker the message goes to.
+        request: True for a request (its reply proves the peer unpickled it), False
+            for a reply.
+        pins: objects to keep alive until the request's reply arrives.
+        undo: callables that cancel what pickling did, run if the message is
+            never sent (pickling failed, the connection is gone).
+    """
+
+    __slots__ = ("dest", "request", "pins", "undo")
+
+    def __init__(self, dest: int, request: bool) -> None:
+        self.dest = dest
+        self.request = request
+        self.pins: list = []
+        self.undo: list = []
+
+    def abort(self) -> None:
+        undo, self.undo, self.pins = self.undo, [], []
+        for fn in reversed(undo):
+            fn()
+
+
+def current_send() -> SendContext | None:
+    """The :class:`SendContext` of the message being pickled on this thread, if any."""
+    return getattr(_tls, "send", None)
+
+
+def dumps_to(obj: Any, dest: int, request: bool) \
+        -> tuple[bytes, list[torch.Tensor], SendContext | None]:
+    """:func:`dumps` for a message to worker ``dest``.
+
+    Returns:
+        ``(payload, tensors, ctx)``; ``ctx`` is None unless a reducer recorded pins
+        or undo actions, which the caller must keep (pins) or run if the message is
+        not sent (``ctx.abort()``).
+    """
+    prev = getattr(_tls, "send", None)
+    ctx = _tls.send = SendContext(dest, request)
+    try:
+        payload, tensors = dumps(obj)
+    except BaseException:
+        ctx.abort()
+        raise
+    finally:
+        _tls.send = prev
+    return payload, tensors, (ctx if ctx.pins or ctx.undo else None)
+
+
 def loads(payload, tensors: list[torch.Tensor], recv_hook=None) -> Any:
     """Inverse of :func:`dumps`; ``tensors`` are the received ``uint8`` buffers.
 

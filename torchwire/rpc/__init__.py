@@ -12,17 +12,21 @@ from .._errors import (ConnectionClosedError, ProtocolError, RemoteError, Rendez
 from .._future import Future
 from .._worker_info import WorkerInfo
 from . import functions
-from ._api import _set_rpc_timeout  # noqa: F401 - private, as in torch
-from ._api import (get_rpc_timeout, get_worker_info, init_rpc, is_available, rpc_async,
-                   rpc_sync, shutdown, stats)
+from .._rref import RRef
+from . import api  # noqa: F401 - torch has rpc.api too
+from .api import _set_rpc_timeout  # noqa: F401 - private, as in torch
+from .api import _delete_all_user_and_unforked_owner_rrefs  # noqa: F401
+from .api import _get_current_rpc_agent, _rref_context_get_debug_info  # noqa: F401
+from .api import (get_rpc_timeout, get_worker_info, init_rpc, is_available, remote,
+                  rpc_async, rpc_sync, shutdown, stats)
 from ._options import (DEFAULT_INIT_METHOD, DEFAULT_NUM_WORKER_THREADS, DEFAULT_RPC_TIMEOUT_SEC,
                        DEFAULT_SHUTDOWN_TIMEOUT, UNSET_RPC_TIMEOUT, BackendType,
                        RpcBackendOptions, TensorPipeRpcBackendOptions,
                        TorchwireRpcBackendOptions)
 
 __all__ = [
-    "init_rpc", "shutdown", "rpc_sync", "rpc_async", "get_worker_info", "get_rpc_timeout",
-    "is_available", "stats", "WorkerInfo", "BackendType", "functions", "Future",
+    "init_rpc", "shutdown", "rpc_sync", "rpc_async", "remote", "RRef", "get_worker_info",
+    "get_rpc_timeout", "is_available", "stats", "WorkerInfo", "BackendType", "functions", "Future",
     "TorchwireRpcBackendOptions", "TensorPipeRpcBackendOptions", "RpcBackendOptions",
     "DEFAULT_INIT_METHOD", "DEFAULT_NUM_WORKER_THREADS", "DEFAULT_RPC_TIMEOUT_SEC",
     "DEFAULT_SHUTDOWN_TIMEOUT", "UNSET_RPC_TIMEOUT",

@@ -9,9 +9,11 @@ import socket
 import threading
 import time
 
+from .. import _rref
 from .._agent import AgentState, RpcAgent
 from .._errors import RpcStateError
 from .._future import Future
+from .._rref import RRef
 from .._rendezvous import check_worker_name, join, open_store
 from .._wire import cma
 from .._wire.listener import Listener, host_identity
@@ -23,6 +25,10 @@ log = logging.getLogger("torchwire")
 
 _agent: RpcAgent | None = None
 _init_lock = threading.Lock()
+
+# As torch: a graceful shutdown that finds RRefs still referenced somewhere raises
+# "Leaking RRef" only when this is set to False.
+_ignore_rref_leak = True
 
 
 def _require_agent() -> RpcAgent:
@@ -123,6 +129,7 @@ def init_rpc(name, backend=None, rank=-1, world_size=None, rpc_backend_options=N
         except BaseException:
             listener.close()
             raise
+        _rref.start(agent)
         agent.start()
         _agent = agent
 
@@ -171,12 +178,33 @@ def shutdown(graceful: bool = True, timeout: float = DEFAULT_SHUTDOWN_TIMEOUT) -
     agent = _require_agent()
     if timeout is None or timeout <= 0:
         timeout = float("inf")
+    ctx = _rref._ctx
     try:
         agent.shutdown(graceful, timeout)
+        leaks = ctx.leaks() if graceful and ctx is not None and not _ignore_rref_leak else []
     finally:
+        if ctx is not None:
+            _rref.stop(ctx)
         with _init_lock:
             if _agent is agent:
                 _agent = None
+    if leaks:
+        raise RuntimeError(f"Leaking RRef(s) on {agent.name} at shutdown: " + "; ".join(leaks))
+
+
+def _delete_all_user_and_unforked_owner_rrefs(timeout=None) -> None:
+    """Delete every user RRef of this worker (graceful shutdown calls it, as torch's)."""
+    ctx = _rref._ctx
+    if ctx is not None:
+        ctx.delete_all_users()
+
+
+def _rref_context_get_debug_info() -> dict[str, int]:
+    """RRef counters of this worker: ``num_owner_rrefs`` (values with forks elsewhere),
+    ``num_forks``, ``num_live_values`` (every value owned here that is still alive),
+    ``num_pending_users``, ``num_pending_children``, ``num_user_rrefs``."""
+    _require_agent()
+    return _rref.debug_info()
 
 
 def get_worker_info(worker_name=None) -> WorkerInfo:
@@ -222,6 +250,11 @@ def _resolve_timeout(agent: RpcAgent, timeout) -> float:
 
 
 def _invoke(to, func, args, kwargs, timeout) -> Future:
+    agent, info, args, kwargs, timeout = _check_call(to, func, args, kwargs, timeout)
+    return agent.call(info, func, args, kwargs, timeout)
+
+
+def _check_call(to, func, args, kwargs, timeout):
     agent = _require_agent()
     if not callable(func):
         raise TypeError(f"func must be callable, got {type(func).__name__}")
@@ -231,7 +264,33 @@ def _invoke(to, func, args, kwargs, timeout) -> Future:
         raise TypeError(f"kwargs must be a dict, got {type(kwargs).__name__}")
     info = to if isinstance(to, WorkerInfo) and 0 <= to.id < agent.world_size else \
         agent.get_worker_info(to)
-    return agent.call(info, func, args, kwargs, _resolve_timeout(agent, timeout))
+    return agent, info, args, kwargs, _resolve_timeout(agent, timeout)
+
+
+def remote(to, func, args=None, kwargs=None, timeout=UNSET_RPC_TIMEOUT) -> RRef:
+    """Run ``func(*args, **kwargs)`` on worker ``to`` and keep the result there.
+
+    Returns at once a user :class:`RRef` to the result; the callee owns the value.
+    Fetch it with ``rref.to_here()``, or call its methods where it lives with
+    ``rref.rpc_sync().method(...)``.
+
+    Args:
+        to, func, args, kwargs: as :func:`rpc_async`.
+        timeout: seconds for the creation; -1 uses the default ``rpc_timeout``, 0
+            means no limit.  If it passes, ``to_here()`` and proxies raise
+            "RRef creation via rpc.remote() timed out".
+
+    Raises:
+        SerializationError, UnknownWorkerError, RpcStateError: as :func:`rpc_async`.
+
+    Example::
+
+        >>> rref1 = rpc.remote("worker1", torch.add, args=(torch.ones(2), 3))
+        >>> rref2 = rpc.remote("worker1", torch.add, args=(torch.ones(2), 1))
+        >>> x = rref1.to_here() + rref2.to_here()
+    """
+    agent, info, args, kwargs, timeout = _check_call(to, func, args, kwargs, timeout)
+    return _rref._require_ctx().remote(info, func, args, kwargs, timeout)
 
 
 def rpc_async(to, func, args=None, kwargs=None, timeout=UNSET_RPC_TIMEOUT) -> Future:

@@ -1,0 +1,903 @@
+"""Remote references: owner and user RRefs and their reference-counting protocol.
+
+An RRef names a value that lives on one worker, its *owner*.  Every other worker
+that holds it holds a *user* RRef, identified by the value's ``rref_id`` and its
+own ``fork_id`` (both :class:`GloballyUniqueId`: the rank that made it and a
+counter).  The owner keeps the value while any fork of it exists anywhere, and
+while local RRef objects on the owner refer to it.
+
+The protocol (torch's RRef design note; G1: the owner learns of every user's
+deletion; G2: a parent keeps its own fork until the owner knows of the child):
+
+* ``remote(to, f)``: the caller makes ``rref_id`` and ``fork_id`` and sends
+  ``_remote_exec``; the owner registers the fork, runs ``f`` and replies.  The
+  reply *confirms* the caller's fork.
+* A user RRef pickled into a message to a third worker makes a child fork: the
+  parent keeps itself alive in ``_children`` until the child has told the owner
+  ("fork" control message, confirmed by its reply) and then the parent
+  ("accept").
+* Pickled into a *request* to its owner, nothing is forked: the parent is
+  pinned to the call until the reply, by which time the owner has unpickled it.
+  Into a *reply* to its owner it is forked, and the owner sends "accept".
+* The owner pickling its own RRef for a user registers the fork itself: the
+  child is confirmed at once.
+* A user RRef that dies (or is deleted by shutdown) sends "del" once it is
+  confirmed; never before, so a deletion cannot overtake its fork.
+
+Control messages ("fork", "del", "accept") go through one background thread per
+process (the janitor) that batches them per destination into one internal RPC,
+and retries on timeout (they are idempotent; user functions are never retried).
+Finalizers only put events on a :class:`queue.SimpleQueue`, which is safe from
+``__del__``.
+
+Out-of-order arrival: a fork or fetch may reach the owner before the
+``_remote_exec`` that creates the value (a pool runs them concurrently); the owner
+then creates the entry empty and the value fills it later.  A deletion that
+arrives for a fork never registered leaves a tombstone, so the late registration
+is dropped.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import queue
+import threading
+import time
+import weakref
+from typing import NamedTuple
+
+import torch
+
+from . import _serialization as ser
+from ._errors import RpcStateError, RpcTimeoutError, WorkerUnavailableError
+from ._future import Future
+
+log = logging.getLogger("torchwire")
+
+_ctx: RRefContext | None = None
+
+_CONTROL_RETRIES = 5
+_BATCH_DELAY = 0.002
+_TOMBSTONES_MAX = 100_000
+_UNSET = -1.0
+
+
+class GloballyUniqueId(NamedTuple):
+    """``(created_on, local_id)``: the rank that made the id and its counter."""
+
+    created_on: int
+    local_id: int
+
+    def __repr__(self) -> str:
+        return f"GloballyUniqueId(created_on={self.created_on}, local_id={self.local_id})"
+
+
+def _require_ctx() -> RRefContext:
+    ctx = _ctx
+    if ctx is None:
+        raise RpcStateError("RPC has not been initialized or has been shut down: RRefs need "
+                            "torchwire.rpc.init_rpc")
+    return ctx
+
+
+# --------------------------------------------------------------------------- owner side
+
+
+class _Entry:
+    """The owner's record of one value: its future and the forks that hold it."""
+
+    __slots__ = ("rref_id", "future", "forks", "type_hint", "__weakref__")
+
+    def __init__(self, rref_id: GloballyUniqueId, type_hint=None) -> None:
+        self.rref_id = rref_id
+        self.future = Future()
+        self.forks: dict[GloballyUniqueId, int] = {}  # fork id -> holder rank
+        self.type_hint = type_hint
+
+    def value(self, timeout: float | None = None):
+        fut = self.future
+        if not fut.done():
+            if timeout is not None and timeout > 0:
+                _wait_done(fut, timeout, f"the value of {self.rref_id!r}")
+            else:
+                fut.wait()
+        return fut.value()  # raises the stored error
+
+
+def _wait_done(fut, timeout: float, what: str) -> None:
+    done = threading.Event()
+    fut.add_done_callback(lambda _f: done.set())
+    if not done.wait(timeout):
+        raise RpcTimeoutError(f"RPC ran for more than set timeout ({int(timeout * 1000)} ms) "
+                              f"waiting for {what}")
+
+
+class _UserState:
+    """Mutable protocol state of one user fork; changed only by the janitor thread
+    (``confirmed`` is also set by the creation callback, before it queues an event)."""
+
+    __slots__ = ("owner", "rref_id", "fork_id", "confirmed", "deleted", "gone")
+
+    def __init__(self, owner: int, rref_id, fork_id, confirmed: bool) -> None:
+        self.owner = owner
+        self.rref_id = rref_id
+        self.fork_id = fork_id
+        self.confirmed = confirmed
+        self.deleted = False  # the RRef object died or shutdown deleted it
+        self.gone = False  # nothing more to tell the owner (deletion sent, or owner lost)
+
+
+# --------------------------------------------------------------------------- the RRef
+
+
+class RRef:
+    """A reference to a value that lives on one worker (its owner).
+
+    ``RRef(value)`` makes an owner RRef on this worker; ``rpc.remote`` returns a
+    user RRef whose owner is the callee.  Send RRefs in RPC arguments or return
+    values freely: the value lives while any reference to it exists anywhere.
+
+    Example::
+
+        >>> rref = rpc.remote("worker1", torch.add, args=(torch.ones(2), 1))
+        >>> rref.to_here()
+        tensor([2., 2.])
+        >>> rref.rpc_sync().size()         # runs value.size() on worker1
+        torch.Size([2])
+    """
+
+    def __init__(self, value, type_hint=None) -> None:
+        ctx = _require_ctx()
+        entry = _Entry(ctx.new_id(), type_hint)
+        entry.future.set_result(value)
+        ctx.adopt_local(entry)
+        self._init_owner(ctx, entry, None)
+
+    # Internal constructors ------------------------------------------------------
+
+    def _init_owner(self, ctx, entry: _Entry, creation) -> None:
+        self._owner = ctx.rank
+        self._entry = entry
+        self._user = None
+        self._creation = creation
+        self._type = None
+
+    @classmethod
+    def _new_owner(cls, ctx, entry: _Entry, creation=None) -> RRef:
+        r = cls.__new__(cls)
+        r._init_owner(ctx, entry, creation)
+        return r
+
+    @classmethod
+    def _new_user(cls, state: _UserState, creation=None, type_=None) -> RRef:
+        r = cls.__new__(cls)
+        r._owner = state.owner
+        r._entry = None
+        r._user = state
+        r._creation = creation
+        r._type = type_
+        return r
+
+    def __class_getitem__(cls, item):  # RRef[int] in type annotations, as torch's
+        return cls
+
+    def __del__(self) -> None:
+        state = getattr(self, "_user", None)
+        ctx = _ctx
+        if state is not None and ctx is not None and not state.deleted:
+            ctx.events.put(("del", state))
+
+    # torch's API ----------------------------------------------------------------
+
+    def is_owner(self) -> bool:
+        """Whether this worker owns the value."""
+        return self._entry is not None
+
+    def owner(self):
+        """:class:`WorkerInfo` of the owner."""
+        return _require_ctx().agent.get_worker_info(self._owner)
+
+    def owner_name(self) -> str:
+        """Name of the owner."""
+        return self.owner().name
+
+    def confirmed_by_owner(self) -> bool:
+        """Whether the owner knows of this reference (always True on the owner)."""
+        return self._entry is not None or self._user.confirmed
+
+    def local_value(self):
+        """The value, on the owner (waits until a ``remote()`` creating it finished).
+
+        Raises:
+            RuntimeError: called on a user RRef; or the function that should have
+                created the value raised (that error).
+        """
+        if self._entry is None:
+            raise RuntimeError(
+                f"Cannot call local_value() on a non-owner RRef: {self} is owned by "
+                f"{self.owner_name()}; use to_here() or a proxy (rref.rpc_sync())")
+        return self._entry.value()
+
+    def to_here(self, timeout: float = _UNSET):
+        """Copy the value here (blocking).
+
+        Args:
+            timeout: seconds; -1 (default) uses the RPC default timeout, 0 waits forever.
+
+        Raises:
+            RpcTimeoutError: the value did not arrive in time.
+            Exception: the error of the function that should have made the value.
+            WorkerUnavailableError: the owner is gone.
+        """
+        self._check_alive("to_here()")
+        ctx = _require_ctx()
+        timeout = ctx.resolve_timeout(timeout)
+        if self._entry is not None:
+            return self._entry.value(timeout)
+        creation = self._creation
+        if creation is not None and creation.done():
+            self._get_future().wait()  # raises the creation error (remote failure, timeout)
+        value = ctx.agent.call(ctx.agent.get_worker_info(self._owner), _rref_fetch,
+                               (self,), None, timeout).wait()
+        if creation is not None:
+            # Only the remote() that made the value sets it, after registering this
+            # fork: the value proves the owner knows of us (its reply may still be on
+            # its way).  The creation callback handles a deletion before it arrives.
+            self._user.confirmed = True
+        return value
+
+    def rpc_sync(self, timeout: float = _UNSET):
+        """Proxy: ``rref.rpc_sync().method(*args)`` runs ``method`` on the owner, blocking."""
+        return _Proxy(self, "sync", timeout)
+
+    def rpc_async(self, timeout: float = _UNSET):
+        """Proxy: ``rref.rpc_async().method(*args)`` returns a future of the result."""
+        return _Proxy(self, "async", timeout)
+
+    def remote(self, timeout: float = _UNSET):
+        """Proxy: ``rref.remote().method(*args)`` returns an RRef to the result (on the owner)."""
+        return _Proxy(self, "remote", timeout)
+
+    def backward(self, dist_autograd_ctx_id: int = -1, retain_graph: bool = False) -> None:
+        """Run distributed backward from the value (needs distributed autograd)."""
+        raise RuntimeError("RRef.backward() needs torchwire's distributed autograd, which "
+                           "this version does not have yet")
+
+    def _get_future(self):
+        """The future of the ``remote()`` that created this RRef (done for other RRefs)."""
+        fut = self._creation
+        if fut is None:
+            return _done(None)
+        if not isinstance(fut, _Creation):
+            fut = self._creation = _Creation(fut)
+        return fut
+
+    def _get_type(self, timeout: float = _UNSET, blocking: bool = True):
+        """Type of the value, fetched from the owner once and cached.
+
+        With ``blocking=False`` returns a future of it.
+        """
+        if self._type is not None:
+            return self._type if blocking else _done(self._type)
+        if self._entry is not None:
+            fut = _type_of(self._entry.future)
+        else:
+            ctx = _require_ctx()
+            fut = ctx.agent.call(ctx.agent.get_worker_info(self._owner), _rref_type, (self,),
+                                 None, ctx.resolve_timeout(timeout))
+
+        def keep(f):
+            try:
+                self._type = f.value()
+            except Exception:
+                pass
+        fut.add_done_callback(keep)
+        return fut.wait() if blocking else fut
+
+    def _check_alive(self, what: str) -> None:
+        state = self._user
+        if state is not None and state.deleted:
+            raise RuntimeError(f"User RRef with RRefId={state.rref_id!r} and "
+                               f"ForkId={state.fork_id!r} has been deleted. Cannot call {what} "
+                               "on it after deletion.")
+
+    def __reduce__(self):
+        # torch's wording; the RPC pickler handles RRefs before this is reached
+        raise RuntimeError("Can not pickle rref in python pickler, rref can only be pickled "
+                           "when using RPC")
+
+    def __repr__(self) -> str:
+        if self._entry is not None:
+            return f"OwnerRRef({self._entry.rref_id!r})"
+        s = self._user
+        return f"UserRRef(RRefId = {s.rref_id!r}, ForkId = {s.fork_id!r})"
+
+    __str__ = __repr__
+
+
+def _done(value) -> Future:
+    fut = Future()
+    fut.set_result(value)
+    return fut
+
+
+class _Proxy:
+    """``rref.rpc_sync()`` and friends: attribute access names a method of the value."""
+
+    __slots__ = ("_rref", "_mode", "_timeout")
+
+    def __init__(self, rref: RRef, mode: str, timeout) -> None:
+        self._rref = rref
+        self._mode = mode
+        self._timeout = timeout
+
+    def __getattr__(self, name: str):
+        rref, mode, timeout = self._rref, self._mode, self._timeout
+
+        def method(*args, **kwargs):
+            from .rpc import api
+            call_args = (rref, name, args, kwargs)
+            if mode == "remote":
+                return api.remote(rref._owner, _proxy_invoke, call_args, timeout=timeout)
+            fut = api.rpc_async(rref._owner, _proxy_invoke, call_args, timeout=timeout)
+            return fut.wait() if mode == "sync" else fut
+        method.__name__ = name
+        return method
+
+    def __repr__(self) -> str:
+        return f"<RRef {self._mode} proxy of {self._rref}>"
+
+
+# --------------------------------------------------------------------------- the context
+
+
+class RRefContext:
+    """Per-process RRef state: the owner table, pending children, the janitor."""
+
+    def __init__(self, agent) -> None:
+        self.agent = agent
+        self.rank = agent.rank
+        self._ids = itertools.count()
+        self._lock = threading.Lock()
+        self._owned: dict[GloballyUniqueId, _Entry] = {}  # entries with forks (held)
+        self._live: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+        self._deleted: dict[GloballyUniqueId, None] = {}  # rref ids freed for good
+        self._dead_forks: dict[GloballyUniqueId, None] = {}  # deleted before registered
+        self._children: dict[GloballyUniqueId, RRef] = {}  # forks sent, not yet accepted
+        self._users: dict[GloballyUniqueId, _UserState] = {}  # live user forks
+        self.events: queue.SimpleQueue = queue.SimpleQueue()
+        self._inflight = 0
+        self._busy = False
+        self._closed = False
+        self._janitor = threading.Thread(target=self._run_janitor,
+                                         name=f"torchwire-rref-{agent.name}", daemon=True)
+        self._janitor.start()
+
+    def new_id(self) -> GloballyUniqueId:
+        return GloballyUniqueId(self.rank, next(self._ids))
+
+    def resolve_timeout(self, timeout) -> float:
+        if timeout is None or timeout == _UNSET:
+            return self.agent.rpc_timeout
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout < 0:
+            raise ValueError(f"timeout must be >= 0 seconds or -1 for the default, "
+                             f"got {timeout!r}")
+        return float(timeout)
+
+    def debug_info(self) -> dict[str, int]:
+        """Counters, as torch's ``_rref_context_get_debug_info`` (plus torchwire's)."""
+        with self._lock:
+            return {
+                "num_owner_rrefs": len(self._owned),
+                "num_forks": sum(len(e.forks) for e in self._owned.values()),
+                "num_live_values": len(self._live),
+                "num_pending_users": sum(1 for s in self._users.values() if not s.confirmed),
+                "num_pending_children": len(self._children),
+                "num_user_rrefs": len(self._users),
+            }
+
+    # owner table -------------------------------------------------------------------
+
+    def adopt_local(self, entry: _Entry) -> None:
+        with self._lock:
+            self._live[entry.rref_id] = entry
+
+    def entry_for(self, rref_id: GloballyUniqueId, creating: bool = False) -> _Entry:
+        """The live entry for ``rref_id``, created empty if it has not arrived yet.
+
+        Raises:
+            RuntimeError: the value was already deleted (every reference to it died).
+        """
+        with self._lock:
+            entry = self._live.get(rref_id)
+            if entry is None:
+                if rref_id in self._deleted and not creating:
+                    raise RuntimeError(f"RRef {rref_id!r} owned by {self.agent.name} has "
+                                       "already been deleted (no reference to it was left)")
+                self._deleted.pop(rref_id, None)
+                entry = _Entry(rref_id)
+                self._live[rref_id] = entry
+            return entry
+
+    def add_fork(self, entry: _Entry, fork_id, holder: int) -> bool:
+        with self._lock:
+            if self._dead_forks.pop(fork_id, None) is not None:
+                return False  # its deletion overtook it
+            entry.forks[fork_id] = holder
+            self._owned[entry.rref_id] = entry
+            return True
+
+    def del_fork(self, rref_id, fork_id) -> None:
+        with self._lock:
+            entry = self._live.get(rref_id)
+            if entry is None or entry.forks.pop(fork_id, None) is None:
+                self._dead_forks[fork_id] = None
+                self._trim()
+                return
+            if not entry.forks:
+                # The last fork is gone: unless a local RRef still holds the value (then
+                # it is found in _live first), a later reference to it is stale.
+                self._owned.pop(rref_id, None)
+                self._deleted[rref_id] = None
+                self._trim()
+        del entry  # may free the value here, outside the lock
+
+    def _trim(self) -> None:
+        for table in (self._dead_forks, self._deleted):
+            while len(table) > _TOMBSTONES_MAX:
+                table.pop(next(iter(table)))
+
+    def forks_of(self, holder: int) -> list:
+        with self._lock:
+            return [(e.rref_id, f) for e in self._owned.values()
+                    for f, h in e.forks.items() if h == holder]
+
+    # pickling ------------------------------------------------------------------------
+
+    def reduce(self, rref: RRef):
+        sent = ser.current_send()
+        if sent is None:
+            raise RuntimeError("Can not pickle rref in python pickler, rref can only be "
+                               "pickled when using RPC")
+        dest = sent.dest
+        if rref._entry is not None:  # on the owner
+            entry = rref._entry
+            if dest == self.rank:
+                sent.pins.append(rref)
+                return _rebuild_rref, (self.rank, entry.rref_id, None, self.rank, True)
+            fork_id = self.new_id()
+            self.add_fork(entry, fork_id, dest)
+            sent.undo.append(lambda: self.del_fork(entry.rref_id, fork_id))
+            return _rebuild_rref, (self.rank, entry.rref_id, fork_id, self.rank, True)
+        state = rref._user
+        if state.deleted:
+            raise RuntimeError("Cannot call fork an UserRRef after deletion.")
+        if dest == state.owner and sent.request:
+            sent.pins.append(rref)  # the reply proves the owner has unpickled it
+            return _rebuild_rref, (state.owner, state.rref_id, None, self.rank, False)
+        fork_id = self.new_id()
+        with self._lock:
+            self._children[fork_id] = rref
+        sent.undo.append(lambda: self._drop_child(fork_id))
+        return _rebuild_rref, (state.owner, state.rref_id, fork_id, self.rank, False)
+
+    def rebuild(self, owner: int, rref_id, fork_id, parent: int, confirmed: bool) -> RRef:
+        rref_id = GloballyUniqueId(*rref_id)
+        if owner == self.rank:
+            entry = self.entry_for(rref_id)
+            if fork_id is not None:  # a user's fork came home in a reply: tell its parent
+                self.events.put(("accept", parent, GloballyUniqueId(*fork_id)))
+            return RRef._new_owner(self, entry)
+        fork_id = GloballyUniqueId(*fork_id)
+        state = _UserState(owner, rref_id, fork_id, confirmed)
+        with self._lock:
+            self._users[fork_id] = state
+        if not confirmed:
+            self.events.put(("fork", state, parent))
+        return RRef._new_user(state)
+
+    def _drop_child(self, fork_id) -> None:
+        with self._lock:
+            rref = self._children.pop(fork_id, None)
+        del rref  # outside the lock: may be the last reference
+
+    # remote() ---------------------------------------------------------------------
+
+    def remote(self, to, func, args, kwargs, timeout: float) -> RRef:
+        agent = self.agent
+        rref_id, fork_id = self.new_id(), self.new_id()
+        if to.id == self.rank:
+            entry = self.entry_for(rref_id, creating=True)
+            fut = agent.call(to, _remote_exec, (rref_id, None, self.rank, func, args, kwargs),
+                             None, timeout)
+            return RRef._new_owner(self, entry, fut)
+        state = _UserState(to.id, rref_id, fork_id, False)
+        with self._lock:
+            self._users[fork_id] = state
+        fut = agent.call(to, _remote_exec, (rref_id, fork_id, self.rank, func, args, kwargs),
+                         None, timeout)
+
+        def confirm(f) -> None:  # on the reader thread: bookkeeping only
+            try:
+                f.value()
+            except (WorkerUnavailableError, RpcStateError):
+                self.events.put(("lost", state))
+                return
+            except Exception:
+                pass  # timed out (the deletion settles it either way) or the owner failed
+            # Dekker with the janitor's "del": it sets deleted, then reads confirmed.
+            state.confirmed = True
+            if state.deleted:
+                self.events.put(("confirmed", state))
+        fut._add_inline_callback(confirm)
+        return RRef._new_user(state, fut)
+
+    # janitor -----------------------------------------------------------------------
+
+    def _run_janitor(self) -> None:
+        events = self.events
+        while True:
+            try:
+                first = events.get(timeout=0.5)
+            except queue.Empty:
+                if self._closed:
+                    return
+                continue
+            self._busy = True
+            try:
+                batch = [first]
+                while True:
+                    try:
+                        batch.append(events.get_nowait())
+                    except queue.Empty:
+                        break
+                if self._closed:
+                    return
+                self._process(batch)
+            except Exception:
+                log.exception("torchwire: RRef control messages failed")
+            finally:
+                self._busy = False
+            # Let the next events gather: one wake-up per batch, not per event.
+            time.sleep(_BATCH_DELAY)
+
+    def _process(self, batch) -> None:
+        out: dict[int, list] = {}
+        for ev in batch:
+            kind = ev[0]
+            if kind == "del":
+                state = ev[1]
+                state.deleted = True
+                self._forget_user(state)
+                if state.confirmed and not state.gone:
+                    state.gone = True
+                    out.setdefault(state.owner, []).append(
+                        ("del", state.rref_id, state.fork_id, None))
+            elif kind == "confirmed":
+                state = ev[1]
+                if state.deleted and not state.gone:
+                    state.gone = True
+                    out.setdefault(state.owner, []).append(
+                        ("del", state.rref_id, state.fork_id, None))
+            elif kind == "lost":
+                state = ev[1]
+                state.gone = True
+                self._forget_user(state)
+            elif kind == "fork":
+                state, parent = ev[1], ev[2]
+                out.setdefault(state.owner, []).append(
+                    ("fork", state.rref_id, state.fork_id, (state, parent)))
+            elif kind == "accept":
+                out.setdefault(ev[1], []).append(("accept", None, ev[2], None))
+            elif kind == "retry":
+                self._send_ops(ev[1], ev[2], ev[3])
+        for dest, ops in out.items():
+            forks = [op for op in ops if op[0] == "fork"]
+            rest = [op[:3] for op in ops if op[0] != "fork"]
+            if rest:  # deletions and accepts need no reply: a lost one means a lost peer
+                try:
+                    self.agent.notify(self.agent.get_worker_info(dest), _rref_control,
+                                      (self.rank, rest))
+                except Exception as exc:
+                    log.debug("torchwire: RRef control to rank %d not sent: %s", dest, exc)
+            if forks:
+                self._send_ops(dest, forks)
+
+    def _forget_user(self, state: _UserState) -> None:
+        with self._lock:
+            self._users.pop(state.fork_id, None)
+
+    def _send_ops(self, dest: int, ops: list, attempt: int = 0) -> None:
+        agent = self.agent
+        wire = [(op, rid, fid) for op, rid, fid, _local in ops]
+        timeout = agent.rpc_timeout if agent.rpc_timeout > 0 else 60.0
+        with self._lock:
+            self._inflight += 1
+        try:
+            fut = agent.call(agent.get_worker_info(dest), _rref_control, (self.rank, wire),
+                             None, timeout)
+        except Exception as exc:
+            with self._lock:
+                self._inflight -= 1
+            log.debug("torchwire: RRef control to rank %d not sent: %s", dest, exc)
+            return
+        fut.add_done_callback(lambda f: self._ops_done(f, dest, ops, attempt))
+
+    def _ops_done(self, fut, dest: int, ops: list, attempt: int) -> None:
+        try:
+            fut.wait()
+        except RpcTimeoutError:
+            if attempt < _CONTROL_RETRIES and not self._closed:
+                self.events.put(("retry", dest, ops, attempt + 1))
+            else:
+                log.warning("torchwire: RRef control messages to rank %d timed out %d times; "
+                            "giving up", dest, attempt + 1)
+        except Exception as exc:
+            log.debug("torchwire: RRef control messages to rank %d failed: %s", dest, exc)
+            for op, _rid, _fid, local in ops:
+                if op == "fork":
+                    self.events.put(("lost", local[0]))
+        else:
+            refused = set(fut.value() or ())
+            for op, _rid, fid, local in ops:
+                if op == "fork" and fid in refused:
+                    self.events.put(("lost", local[0]))
+                elif op == "fork":
+                    state, parent = local
+                    state.confirmed = True
+                    self.events.put(("confirmed", state))
+                    if parent == self.rank:
+                        self._drop_child(state.fork_id)
+                    else:
+                        self.events.put(("accept", parent, state.fork_id))
+        finally:
+            with self._lock:
+                self._inflight -= 1
+
+    # shutdown hooks (see RpcAgent.add_plugin) -----------------------------------------
+
+    def idle(self) -> bool:
+        return self.events.empty() and not self._busy and self._inflight == 0
+
+    def settle(self, deadline: float) -> None:
+        quiet = 0
+        while quiet < 2:  # twice in a row: an event just taken off the queue shows as busy
+            quiet = quiet + 1 if self.idle() else 0
+            if time.monotonic() >= deadline:
+                return  # the agent's own wait reports the timeout
+            time.sleep(0.001)
+
+    def all_arrived(self) -> None:
+        """Every worker is shutting down: delete every user RRef (torch does the same)."""
+        from .rpc import api
+        api._delete_all_user_and_unforked_owner_rrefs()
+
+    def delete_all_users(self) -> None:
+        with self._lock:
+            states = list(self._users.values())
+        for state in states:
+            state.deleted = True  # at once: later use raises "... after deletion"
+            self.events.put(("del", state))
+
+    def leaks(self) -> list[str]:
+        with self._lock:
+            owned = [f"{e.rref_id!r} (forks held by ranks {sorted(set(e.forks.values()))})"
+                     for e in self._owned.values()]
+            users = [f"{s.rref_id!r} fork {s.fork_id!r}" for s in self._users.values()
+                     if not s.deleted]
+        return [f"owner RRef {o}" for o in owned] + [f"user RRef {u}" for u in users]
+
+    def close(self) -> None:
+        self._closed = True
+        self.events.put(("stop",))
+
+
+class _Creation(Future):
+    """Future of a ``remote()`` creation: None, or the error that prevented it."""
+
+    def __init__(self, call_fut) -> None:
+        super().__init__()
+        call_fut._add_inline_callback(self._done)
+
+    def _done(self, f) -> None:
+        try:
+            status = f.value()
+        except Exception as exc:
+            if isinstance(exc, RpcTimeoutError):
+                exc = RpcTimeoutError(f"RRef creation via rpc.remote() timed out, and it is "
+                                      f"possible that the RRef on the owner has not been "
+                                      f"created: {exc}")
+            self.set_exception(exc)
+            return
+        if status is None:
+            self.set_result(None)
+        else:
+            self.set_exception(ser.loads_exception(status))
+
+
+# --------------------------------------------------------------------------- wire side
+# Module-level functions, run on the remote worker through ordinary RPC requests.
+
+
+def _rebuild_rref(owner, rref_id, fork_id, parent, confirmed):
+    return _require_ctx().rebuild(owner, rref_id, fork_id, parent, confirmed)
+
+
+def _reduce_rref(rref: RRef):
+    return _require_ctx().reduce(rref)
+
+
+ser.register_reducer(RRef, _reduce_rref)
+
+
+def _async(fn):
+    fn._wrapped_async_rpc_function = fn
+    return fn
+
+
+@_async
+def _remote_exec(rref_id, fork_id, caller: int, func, args, kwargs):
+    """Owner: create the value of a ``remote()`` call.
+
+    The reply (None, or the function's error as bytes) confirms the caller's fork.
+    """
+    ctx = _require_ctx()
+    entry = ctx.entry_for(GloballyUniqueId(*rref_id), creating=True)
+    if fork_id is not None:
+        ctx.add_fork(entry, GloballyUniqueId(*fork_id), caller)
+    reply = Future()
+
+    def fail(exc) -> None:
+        import traceback
+        entry.future.set_exception(exc)
+        reply.set_result(ser.dumps_exception(exc, ctx.agent._desc,
+                                             "".join(traceback.format_exception(exc))))
+
+    try:
+        if getattr(func, "_wrapped_async_rpc_function", None) is not None:
+            result = func(*(args or ()), **(kwargs or {}))
+            if not isinstance(result, torch._C.Future):
+                raise RuntimeError("Functions decorated with @rpc.async_function must return "
+                                   "a torch.futures.Future object")
+
+            def finish(f) -> None:
+                try:
+                    value = f.wait()
+                except Exception as exc:
+                    fail(exc)
+                    return
+                entry.future.set_result(value)
+                reply.set_result(None)
+            result.add_done_callback(finish)
+            return reply
+        value = func(*(args or ()), **(kwargs or {}))
+    except Exception as exc:
+        fail(exc)
+        return reply
+    entry.future.set_result(value)
+    reply.set_result(None)
+    return reply
+
+
+def _awaited(rref: RRef):
+    """The owner's value future of ``rref``; an entry still waiting for its value is
+    kept alive by the wait (it may have been made by this very message)."""
+    entry = rref._entry
+    fut = entry.future
+    if not fut.done():
+        fut.add_done_callback(lambda _f: entry)
+    return fut
+
+
+@_async
+def _rref_fetch(rref: RRef):
+    """Owner: the value of ``rref`` once it exists (``to_here``)."""
+    return _awaited(rref)
+
+
+def _type_of(value_future) -> Future:
+    """Future of the type of ``value_future``'s value (or of its error)."""
+    out = Future()
+
+    def fill(f):
+        try:
+            out.set_result(type(f.value()))
+        except Exception as exc:
+            out.set_exception(exc)
+    value_future.add_done_callback(fill)
+    return out
+
+
+@_async
+def _rref_type(rref: RRef):
+    return _type_of(_awaited(rref))
+
+
+@_async
+def _proxy_invoke(rref: RRef, name: str, args, kwargs):
+    """Owner: ``getattr(value, name)(*args, **kwargs)`` once the value exists.
+
+    A method decorated with ``@rpc.functions.async_execution`` replies when the
+    future it returns completes.
+    """
+    out = Future()
+
+    def run(f) -> None:
+        try:
+            value = f.value()
+            result = getattr(value, name)(*args, **kwargs)
+            if _is_async_method(value, name) and isinstance(result, torch._C.Future):
+                def chain(r):
+                    try:
+                        out.set_result(r.value())
+                    except Exception as exc:
+                        out.set_exception(exc)
+                result.add_done_callback(chain)
+                return
+            out.set_result(result)
+        except Exception as exc:
+            out.set_exception(exc)
+
+    fut = _awaited(rref)
+    if fut.done():
+        run(fut)
+    else:
+        fut.add_done_callback(run)
+    return out
+
+
+def _is_async_method(value, name: str) -> bool:
+    attr = getattr(type(value), name, None)
+    if isinstance(attr, (staticmethod, classmethod)):
+        attr = attr.__func__
+    return getattr(attr, "_wrapped_async_rpc_function", None) is not None or \
+        getattr(getattr(value, name, None), "_wrapped_async_rpc_function", None) is not None
+
+
+def _rref_control(sender: int, ops) -> list:
+    """Apply a batch of control messages from ``sender`` (idempotent).
+
+    Returns the fork ids whose registration was refused (their value is gone).
+    """
+    ctx = _require_ctx()
+    refused = []
+    for op, rref_id, fork_id in ops:
+        fork_id = GloballyUniqueId(*fork_id)
+        if op == "fork":
+            try:
+                entry = ctx.entry_for(GloballyUniqueId(*rref_id))
+            except RuntimeError as exc:
+                log.warning("torchwire: fork %r from rank %d refused: %s", fork_id, sender, exc)
+                refused.append(fork_id)
+                continue
+            ctx.add_fork(entry, fork_id, sender)
+        elif op == "del":
+            ctx.del_fork(GloballyUniqueId(*rref_id), fork_id)
+        elif op == "accept":
+            ctx._drop_child(fork_id)
+        else:
+            log.warning("torchwire: unknown RRef control message %r from rank %d", op, sender)
+    return refused
+
+
+# --------------------------------------------------------------------------- lifecycle
+
+
+def start(agent) -> RRefContext:
+    global _ctx
+    ctx = RRefContext(agent)
+    agent.add_plugin(ctx)
+    _ctx = ctx
+    return ctx
+
+
+def stop(ctx: RRefContext) -> None:
+    global _ctx
+    if _ctx is ctx:
+        _ctx = None
+
+
+def debug_info() -> dict[str, int]:
+    return _require_ctx().debug_info()
+
