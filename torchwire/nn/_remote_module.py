@@ -1,0 +1,221 @@
+"""``RemoteModule``: an ``nn.Module`` created and run on another worker."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .. import _serialization as ser
+from .. import rpc
+from .._errors import RpcStateError
+
+
+def _parse_remote_device(remote_device: str) -> tuple:
+    """``"worker1/cpu"``, ``"worker1"``, ``"rank:1/cuda:0"`` -> (worker name or rank, device).
+
+    Raises:
+        ValueError: the string is not of that form or names no valid device.
+    """
+    if not isinstance(remote_device, str):
+        raise TypeError(f"remote_device must be a string like 'worker1/cpu', got "
+                        f"{type(remote_device).__name__}")
+    parts = remote_device.split("/")
+    if len(parts) > 2 or not parts[0]:
+        raise ValueError(f"Could not parse remote_device: {remote_device}. The valid format "
+                         "is '<workername>/<device>' or 'rank:<rank>/<device>'")
+    where = parts[0]
+    device = parts[1] if len(parts) == 2 else "cpu"
+    try:
+        dev = torch.device(device)
+    except RuntimeError as exc:
+        raise ValueError(f"Could not parse remote_device: {remote_device}: invalid device "
+                         f"{device!r} ({exc})") from None
+    if where.startswith("rank:"):
+        try:
+            where = int(where[len("rank:"):])
+        except ValueError:
+            raise ValueError(f"Could not parse remote_device: {remote_device}: the rank in "
+                             f"{parts[0]!r} is not an integer") from None
+    return where, str(dev)
+
+
+def _create_module(module_cls, args, kwargs, device: str):
+    module = module_cls(*args, **kwargs)
+    if not isinstance(module, nn.Module):
+        raise ValueError("Expect `module_cls(*args, **kwargs)` returns an instance of <class "
+                         f"nn.Module>, but it returns an instance of {type(module)}.")
+    return module.to(device)
+
+
+def _to_device(x, device):
+    if isinstance(x, torch.Tensor):
+        return x.to(device)
+    if isinstance(x, (list, tuple)):
+        return type(x)(_to_device(v, device) for v in x)
+    if isinstance(x, dict):
+        return {k: _to_device(v, device) for k, v in x.items()}
+    return x
+
+
+def _remote_forward(module_rref, device: str, is_device_map_set: bool, *args, **kwargs):
+    module = module_rref.local_value()
+    if torch.device(device).type == "cpu":
+        return module.forward(*args, **kwargs)
+    out = module.forward(*_to_device(args, device), **_to_device(kwargs, device))
+    return out if is_device_map_set else _to_device(out, "cpu")
+
+
+def _param_rrefs(module_rref, recurse: bool) -> list:
+    return [rpc.RRef(p) for p in module_rref.local_value().parameters(recurse)]
+
+
+def _set_training(module_rref, mode: bool) -> None:
+    module_rref.local_value().train(mode)
+
+
+# As torch's RemoteModule, these raise: they would act on a module that is not here.
+# Unlike torch, walking the module tree (modules(), children() ...) works, so a local
+# model holding a RemoteModule can still call model.parameters() for its own
+# parameters (the remote ones come from remote_parameters()).
+_UNSUPPORTED = (
+    "register_buffer", "register_parameter", "add_module", "apply", "cuda", "ipu", "xpu",
+    "cpu", "type", "float", "double", "half", "bfloat16", "to", "register_backward_hook",
+    "register_full_backward_hook", "register_forward_pre_hook", "register_forward_hook",
+    "state_dict", "load_state_dict", "named_parameters", "buffers", "named_buffers",
+    "requires_grad_", "zero_grad", "share_memory", "extra_repr",
+)
+
+
+class RemoteModule(nn.Module):
+    """A module created on a remote worker; ``forward`` runs there.
+
+    Same interface as ``torch.distributed.nn.RemoteModule``.  Use it inside a
+    local ``nn.Module`` like any layer; with distributed autograd the backward
+    pass reaches the remote parameters.
+
+    Args:
+        remote_device: ``"<worker name>/<device>"`` or ``"rank:<rank>/<device>"``;
+            the device defaults to ``cpu`` (``"ps"`` means ``"ps/cpu"``).
+        module_cls: the ``nn.Module`` class to build on that worker.
+        args, kwargs: its constructor arguments.
+
+    Raises:
+        RuntimeError: RPC is not initialized.
+        ValueError: bad ``remote_device``.
+
+    Example::
+
+        >>> linear = RemoteModule("worker1/cpu", nn.Linear, args=(20, 30))
+        >>> out = linear(torch.randn(128, 20))          # runs on worker1
+        >>> fut = linear.forward_async(torch.randn(128, 20))
+        >>> param_rrefs = linear.remote_parameters()    # for DistributedOptimizer
+    """
+
+    def __init__(self, remote_device: str, module_cls, args=None, kwargs=None,
+                 _module_interface_cls=None) -> None:
+        super().__init__()
+        self._prepare(remote_device)
+        if _module_interface_cls is not None:
+            raise NotImplementedError("TorchScript module interfaces are not supported by "
+                                      "torchwire's RemoteModule")
+        self.module_rref = rpc.remote(self.on, _create_module,
+                                      (module_cls, tuple(args or ()), dict(kwargs or {}),
+                                       self.device))
+
+    def _prepare(self, remote_device: str) -> None:
+        try:
+            rpc.api._require_agent()
+        except RpcStateError:
+            raise RuntimeError("RemoteModule only works in RPC: call "
+                               "torchwire.rpc.init_rpc first") from None
+        where, self.device = _parse_remote_device(remote_device)
+        self.on = rpc.get_worker_info(where).name
+        self.is_device_map_set = False
+        self.is_scriptable = False
+        self.generated_methods = ("forward", "forward_async")
+
+    @staticmethod
+    def init_from_module_rref(remote_device: str, module_rref, _module_interface_cls=None):
+        """A RemoteModule around an existing module RRef (the module is shared, not copied)."""
+        m = RemoteModule.__new__(RemoteModule)
+        nn.Module.__init__(m)
+        m._prepare(remote_device)
+        if module_rref.owner_name() != m.on:
+            raise ValueError(f"module_rref is owned by {module_rref.owner_name()}, not by "
+                             f"{m.on} of remote_device {remote_device!r}")
+        m.module_rref = module_rref
+        return m
+
+    def forward(self, *args, **kwargs):
+        return rpc.rpc_sync(self.on, _remote_forward,
+                            (self.module_rref, self.device, self.is_device_map_set, *args),
+                            kwargs)
+
+    def forward_async(self, *args, **kwargs):
+        """Like ``forward``; returns a future of the output."""
+        return rpc.rpc_async(self.on, _remote_forward,
+                             (self.module_rref, self.device, self.is_device_map_set, *args),
+                             kwargs)
+
+    def remote_parameters(self, recurse: bool = True) -> list:
+        """RRefs to the remote module's parameters (e.g. for ``DistributedOptimizer``)."""
+        return rpc.rpc_sync(self.on, _param_rrefs, args=(self.module_rref, recurse))
+
+    def get_module_rref(self):
+        """The RRef to the remote ``nn.Module``."""
+        return self.module_rref
+
+    def parameters(self, recurse: bool = True):
+        raise ValueError("Method ``parameters`` not supported for RemoteModule. Please use "
+                         "``remote_parameters`` instead.")
+
+    def train(self, mode: bool = True):
+        rpc.rpc_sync(self.on, _set_training, args=(self.module_rref, mode))
+        self.training = mode
+        return self
+
+    def eval(self):
+        return self.train(False)
+
+    def __getstate__(self):
+        raise RuntimeError("Cannot pickle RemoteModule in python pickler. RemoteModule can "
+                           "only be pickled when using RPC")
+
+    def __setstate__(self, state):
+        raise RuntimeError("Cannot unpickle RemoteModule in python pickler. RemoteModule can "
+                           "only be unpickled when using RPC")
+
+    def __repr__(self) -> str:
+        return f"RemoteModule(on={self.on!r}, device={self.device!r}, " \
+               f"module_rref={self.module_rref})"
+
+
+def _not_supported(name: str):
+    def method(self, *args, **kwargs):
+        raise ValueError(f"Method ``{name}`` not supported for RemoteModule")
+    method.__name__ = name
+    return method
+
+
+for _name in _UNSUPPORTED:
+    setattr(RemoteModule, _name, _not_supported(_name))
+del _name
+
+
+def _rebuild_remote_module(on, device, is_device_map_set, module_rref, training):
+    m = RemoteModule.__new__(RemoteModule)
+    nn.Module.__init__(m)
+    m.on, m.device, m.is_device_map_set = on, device, is_device_map_set
+    m.is_scriptable = False
+    m.generated_methods = ("forward", "forward_async")
+    m.module_rref = module_rref
+    m.training = training
+    return m
+
+
+def _reduce_remote_module(m: RemoteModule):
+    return _rebuild_remote_module, (m.on, m.device, m.is_device_map_set, m.module_rref,
+                                    m.training)
+
+
+ser.register_reducer(RemoteModule, _reduce_remote_module)
