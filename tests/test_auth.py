@@ -534,6 +534,10 @@ def test_tls_between_workers_end_to_end(tls_files):
         peer = f"worker{1 - rank}"
         out = rpc.rpc_sync(peer, _add, args=(big, 1))
         small = rpc.rpc_sync(peer, _add, args=(rank, 1))
+        # both workers at once, many calls in flight: readers and writers share each link
+        futs = [rpc.rpc_async(peer, _add, args=(torch.full((1 + 5000 * (i % 7),), i), 1))
+                for i in range(200)]
+        assert all(f.wait()[0].item() == i + 1 for i, f in enumerate(futs))
         agent = rpc._api._agent
         conn = agent._peers[1 - rank].out
         return (torch.equal(out, big + 1), small, rpc.stats()["transports"],

@@ -165,7 +165,11 @@ class TlsSocket:
 
     def _flush(self) -> None:
         """Send ciphertext that reading or the handshake produced (unless a writer is busy)."""
-        while self._out.pending and self._send_lock.acquire(blocking=False):
+        while True:
+            with self._lock:
+                pending = self._out.pending
+            if not pending or not self._send_lock.acquire(blocking=False):
+                return
             try:
                 with self._lock:
                     out = self._out.read()
