@@ -3,14 +3,16 @@
 Public packages: :mod:`torchwire.rpc`.  Errors are re-exported here too.
 """
 
-from ._errors import (ConnectionClosedError, ProtocolError, RemoteError, RendezvousError,
-                      RpcStateError, RpcTimeoutError, SerializationError, TorchwireError,
-                      UnknownWorkerError, WorkerUnavailableError, InvalidWorkerNameError)
+from ._errors import (AuthenticationError, ConnectionClosedError, ProtocolError, RemoteError,
+                      RendezvousError, RpcStateError, RpcTimeoutError, SerializationError,
+                      TorchwireError, UnknownWorkerError, WorkerUnavailableError,
+                      InvalidWorkerNameError)
 
 __version__ = "0.1.0"
 
 __all__ = [
     "TorchwireError", "RpcStateError", "RendezvousError", "WorkerUnavailableError",
     "RpcTimeoutError", "ProtocolError", "ConnectionClosedError", "SerializationError",
-    "RemoteError", "UnknownWorkerError", "InvalidWorkerNameError", "__version__",
+    "RemoteError", "UnknownWorkerError", "InvalidWorkerNameError", "AuthenticationError",
+    "__version__",
 ]

@@ -12,7 +12,8 @@ Threads:
     * pool (``num_worker_threads`` core threads): runs user functions,
       ``async_execution`` completions and future callbacks.
     * accept (one per listening socket) + one short-lived handshake thread per
-      accepted connection, which then becomes that connection's reader.
+      accepted connection (authentication: ``_wire/auth.py``), which then becomes
+      that connection's reader.
 
 Graceful shutdown (store-based termination detection)::
 
@@ -47,7 +48,8 @@ from ._pool import WorkerPool
 from ._timer import DeadlineTimer
 from ._wire import cma
 from ._wire import frame as F
-from ._wire.connection import Connection, client_handshake, server_handshake
+from ._wire.auth import JobAuth, client_handshake, server_handshake
+from ._wire.connection import Connection
 from ._wire.listener import Listener, connect_tcp, connect_unix, host_identity
 from ._worker_info import WorkerInfo
 
@@ -106,7 +108,7 @@ class RpcAgent:
 
     def __init__(self, name: str, rank: int, world_size: int, options, store,
                  store_host: str | None, listener: Listener, records: list[dict],
-                 job: bytes) -> None:
+                 job: JobAuth) -> None:
         self.name = name
         self.rank = rank
         self.world_size = world_size
@@ -300,7 +302,8 @@ class RpcAgent:
                 sock = connect_tcp(rec["tcp"], timeout)
                 transport = "tcp"
             try:
-                client_handshake(sock, self.rank, self._job, peer.info.id)
+                sock = client_handshake(sock, self.rank, self._job, peer.info.id,
+                                        transport=transport, host=rec["tcp"][0])
             except BaseException:
                 sock.close()
                 raise
@@ -484,10 +487,10 @@ class RpcAgent:
 
     # ------------------------------------------------------------------ connections
 
-    def _on_accept(self, sock: socket.socket, transport: str) -> None:
-        """Handshake thread: authenticate the peer, then serve as its reader."""
+    def _on_accept(self, sock: socket.socket, transport: str):
+        """Handshake thread: authenticate the peer; returns its reader loop to run next."""
         try:
-            rank = server_handshake(sock, self.rank, self._job, self.world_size)
+            sock, rank = server_handshake(sock, self.rank, self._job, self.world_size, transport)
         except EOFError:
             sock.close()  # a liveness probe, or a peer that gave up: nothing to report
             return
@@ -507,7 +510,7 @@ class RpcAgent:
             if self.state is AgentState.CLOSED:
                 conn.close()
             self._incoming.add(conn)
-        conn._read_loop()
+        return conn._read_loop
 
     def _on_close(self, conn, exc) -> None:
         """Reader thread, once per connection: fail what depended on it."""

@@ -16,6 +16,7 @@ __all__ = [
     "WorkerUnavailableError",
     "RpcTimeoutError",
     "ProtocolError",
+    "AuthenticationError",
     "ConnectionClosedError",
     "SerializationError",
     "RemoteError",
@@ -58,6 +59,10 @@ class RpcTimeoutError(TorchwireError, RuntimeError):
 
 class ProtocolError(TorchwireError, RuntimeError):
     """A peer sent bytes that do not follow the torchwire wire protocol."""
+
+
+class AuthenticationError(TorchwireError, RuntimeError):
+    """A connection's peer did not prove it knows the job secret, or refused our proof."""
 
 
 class ConnectionClosedError(TorchwireError, RuntimeError):

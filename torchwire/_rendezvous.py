@@ -8,10 +8,12 @@ by anyone who can reach its port, and must not become a way to run code here.
 Join protocol (every rank, in this order)::
 
     1. claim  "rank/<r>"   add(1) must return 1, else the rank is taken
-    2. rank 0 sets "job"   a random job token, checked in every connection handshake
-    3. publish "worker/<r>" {name, rank, host, tcp, unix, pid}
+    2. rank 0 sets "job"   a random job token: part of every connection's key, and the
+                           secret itself unless the user gave one (see _wire/auth.py)
+    3. publish "worker/<r>" {name, rank, host, tcp, unix, pid, cma, security}
     4. wait for "worker/0" .. "worker/<world-1>" (init timeout); report missing ranks
-    5. read all records; duplicate names are an error on every rank
+    5. read all records; duplicate names, or workers that disagree on "security"
+       (user secret or not, TLS or not), are an error on every rank
     6. add(1) to "read": rank 0 keeps its store alive until every rank has read
 """
 
@@ -206,12 +208,20 @@ def join(store, rank: int, world_size: int, record: dict, timeout: float
     for r in records:
         by_name.setdefault(r["name"], []).append(r["rank"])
     dups = {n: rs for n, rs in by_name.items() if len(rs) > 1}
+    problem = None
     if dups:
-        if rank == 0:
-            wait_count(store, "read", world_size, deadline)
         name, ranks = next(iter(dups.items()))
-        raise RendezvousError(f"worker name {name!r} is not unique: it is used by ranks {ranks}; "
-                              "every worker needs a unique name")
+        problem = (f"worker name {name!r} is not unique: it is used by ranks {ranks}; "
+                   "every worker needs a unique name")
+    elif len({json.dumps(r.get("security"), sort_keys=True) for r in records}) > 1:
+        setups = "; ".join(f"rank {r['rank']}: {r.get('security')}" for r in records)
+        problem = ("workers disagree on security settings (" + setups + "): give every worker "
+                   "the same auth_secret or TORCHWIRE_SECRET (or none to all), and TLS files "
+                   "to all or none")
+    if problem:
+        if rank == 0:  # keep the store up until every rank has read what it needs
+            wait_count(store, "read", world_size, deadline)
+        raise RendezvousError(problem)
     return records, job
 
 

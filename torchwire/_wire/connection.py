@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import logging
 import socket
-import struct
 import threading
+from functools import partial
 
 from .. import _threads
 from .._errors import ConnectionClosedError, ProtocolError
@@ -43,7 +43,7 @@ class Connection:
     """A framed, bidirectional connection to one peer.
 
     Args:
-        sock: a connected socket whose handshake is done.
+        sock: a connected socket whose handshake is done (a ``TlsSocket`` on a TLS link).
         peer_rank: the rank the handshake proved.
         on_frames: ``on_frames(conn, frames)`` with a list of
             ``(kind, flags, request_id, payload, tensors)``; called on the reader thread
@@ -81,6 +81,8 @@ class Connection:
         self.bytes_in = 0
         self.bytes_out = 0
         self._spawn = spawn
+        # A TLS link encrypts part by part; a plain socket takes them all in one sendmsg.
+        self._sendall = getattr(sock, "sendall_parts", None) or partial(_sendall, sock)
         self._reader_done = threading.Event()
         self._reader = threading.Thread(target=self._read_loop, daemon=True,
                                         name=f"torchwire-reader-{peer_rank}")
@@ -161,7 +163,6 @@ class Connection:
         self._flush()
 
     def _flush(self) -> None:
-        sock = self.sock
         while True:
             with self._qlock:
                 parts = self._queue
@@ -173,7 +174,7 @@ class Connection:
                 keep = self._keep
                 self._keep = []
             try:
-                _sendall(sock, parts)
+                self._sendall(parts)
             except OSError as exc:
                 with self._qlock:
                     self._flushing = False
@@ -397,56 +398,3 @@ def _sendall(sock: socket.socket, parts: list) -> None:
             # partial part: keep the unsent tail
             head = parts[i]
             parts[i] = memoryview(head)[sent:]
-
-
-# ---------------------------------------------------------------------- handshake
-
-HELLO = struct.Struct("<I16s")
-HANDSHAKE_TIMEOUT = 10.0
-
-
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
-    data = bytearray()
-    while len(data) < n:
-        chunk = sock.recv(n - len(data))
-        if not chunk:
-            raise EOFError("peer closed the connection during the handshake")
-        data += chunk
-    return bytes(data)
-
-
-def _send_hello(sock: socket.socket, kind: int, rank: int, job: bytes) -> None:
-    body = HELLO.pack(rank, job)
-    sock.sendall(F.encode_header(kind, 0, 0, len(body), []) + body)
-
-
-def _recv_hello(sock: socket.socket, expect_kind: int, job: bytes) -> int:
-    head = _recv_exact(sock, F.HEADER_SIZE)
-    kind, _flags, _rid, plen, nbufs = F.decode_header(head, max_message_size=HELLO.size)
-    if kind != expect_kind or plen != HELLO.size or nbufs:
-        raise ProtocolError(f"expected a handshake frame, got kind {kind}")
-    rank, peer_job = HELLO.unpack(_recv_exact(sock, HELLO.size))
-    if peer_job != job:
-        raise ProtocolError("peer belongs to a different job")
-    return rank
-
-
-def client_handshake(sock: socket.socket, my_rank: int, job: bytes, expect_rank: int) -> None:
-    """Open a connection we initiated: announce ourselves, check who answered."""
-    sock.settimeout(HANDSHAKE_TIMEOUT)
-    _send_hello(sock, F.K_HELLO, my_rank, job)
-    rank = _recv_hello(sock, F.K_HELLO_ACK, job)
-    if rank != expect_rank:
-        raise ProtocolError(f"connected to rank {rank}, expected rank {expect_rank}")
-    sock.settimeout(None)
-
-
-def server_handshake(sock: socket.socket, my_rank: int, job: bytes, world_size: int) -> int:
-    """Accept a connection: check the peer's job and rank, answer with ours."""
-    sock.settimeout(HANDSHAKE_TIMEOUT)
-    rank = _recv_hello(sock, F.K_HELLO, job)
-    if not 0 <= rank < world_size:
-        raise ProtocolError(f"peer claims rank {rank} outside world of {world_size}")
-    _send_hello(sock, F.K_HELLO_ACK, my_rank, job)
-    sock.settimeout(None)
-    return rank

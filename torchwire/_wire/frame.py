@@ -25,7 +25,8 @@ import struct
 from .._errors import ProtocolError
 
 MAGIC = b"TW"
-VERSION = 1
+# 2: the handshake became an HMAC challenge-response (CHALLENGE frame, see auth.py).
+VERSION = 2
 
 HEADER = struct.Struct("<2sBBIQQII")
 HEADER_SIZE = HEADER.size  # 32
@@ -39,13 +40,14 @@ MAX_BUFFERS = 1 << 20
 class Kind(enum.IntEnum):
     """What a frame carries.  Values are part of the wire format."""
 
-    HELLO = 1  # connection opening: who I am, which job
-    HELLO_ACK = 2  # acceptance of a HELLO
+    HELLO = 1  # client's proof of the job key, answering a CHALLENGE (see auth.py)
+    HELLO_ACK = 2  # server's proof (or, with the ERROR flag, its refusal)
     REQUEST = 3  # run a function, reply expected
     RESPONSE = 4  # reply to REQUEST with the same request id
     GOODBYE = 5  # orderly close: the sender will send nothing more
     CONTROL = 6  # internal one-way message (rref / autograd / membership)
     RELEASE = 7  # wire level: the receiver has read the CMA buffers of token <request id>
+    CHALLENGE = 8  # connection opening, server first: its rank and a fresh nonce
 
 
 class Flags(enum.IntFlag):
@@ -62,6 +64,7 @@ K_RESPONSE = int(Kind.RESPONSE)
 K_GOODBYE = int(Kind.GOODBYE)
 K_CONTROL = int(Kind.CONTROL)
 K_RELEASE = int(Kind.RELEASE)
+K_CHALLENGE = int(Kind.CHALLENGE)
 F_ERROR = int(Flags.ERROR)
 F_CMA = int(Flags.CMA)
 # In a CMA frame, a buffer length with this bit set is a buffer the receiver reads

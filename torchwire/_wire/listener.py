@@ -3,7 +3,15 @@
 The Unix socket lives in Linux's abstract namespace (no file to clean up; it is
 scoped to the network namespace, which is exactly "the same host" for us).
 Each accepted socket is handed to ``on_accept(sock, transport)`` on a thread of
-its own, so a slow or hostile peer in its handshake cannot block accepting.
+its own, so a slow or hostile peer in its handshake cannot block accepting.  The
+handler runs the handshake and returns what this thread should run afterwards
+(the connection's reader), or ``None``.  At most ``max_handshakes`` handshakes run
+at once (each one is bounded by its own deadline); a connection accepted beyond
+that is closed at once, so a flood of idle connections costs neither threads nor
+file descriptors without bound.
+
+The TCP socket binds to the given interface address; ``0.0.0.0`` (or ``::``)
+listens on every interface and is used only when asked for.
 """
 
 from __future__ import annotations
@@ -13,9 +21,12 @@ import os
 import socket
 import sys
 import threading
+import time
 import uuid
 
 log = logging.getLogger("torchwire")
+
+MAX_HANDSHAKES = 256
 
 
 def _tune(sock: socket.socket, tcp: bool) -> None:
@@ -33,7 +44,11 @@ def _tune(sock: socket.socket, tcp: bool) -> None:
 class Listener:
     """Accepts connections on TCP and (on Linux) an abstract Unix socket."""
 
-    def __init__(self, host: str, port: int, *, unix: bool = True) -> None:
+    def __init__(self, host: str, port: int, *, unix: bool = True,
+                 max_handshakes: int = MAX_HANDSHAKES) -> None:
+        self._slots = threading.BoundedSemaphore(max_handshakes)
+        self._max_handshakes = max_handshakes
+        self._last_full_warning = 0.0
         self._handler = None
         self._handler_set = threading.Event()
         self._closed = False
@@ -70,6 +85,9 @@ class Listener:
                 if self._closed:
                     return
                 continue
+            if not self._slots.acquire(blocking=False):
+                self._refuse_over_limit(conn, kind)
+                continue
             _tune(conn, kind == "tcp")
             threading.Thread(target=self._dispatch, args=(conn, kind), daemon=True,
                              name="torchwire-handshake").start()
@@ -79,12 +97,26 @@ class Listener:
         self._handler = handler
         self._handler_set.set()
 
+    def _refuse_over_limit(self, conn: socket.socket, kind: str) -> None:
+        conn.close()
+        now = time.monotonic()
+        if now - self._last_full_warning > 10.0:
+            self._last_full_warning = now
+            log.warning("torchwire: %d handshakes already in progress: refusing %s connections "
+                        "until they finish or time out", self._max_handshakes, kind)
+
     def _dispatch(self, conn: socket.socket, kind: str) -> None:
-        # A peer may finish rendezvous and connect before this worker's agent exists.
-        if not self._handler_set.wait(30.0) or self._closed:
-            conn.close()
-            return
-        self._handler(conn, kind)
+        then = None
+        try:
+            # A peer may finish rendezvous and connect before this worker's agent exists.
+            if not self._handler_set.wait(30.0) or self._closed:
+                conn.close()
+                return
+            then = self._handler(conn, kind)
+        finally:
+            self._slots.release()
+        if then is not None:
+            then()
 
     def close(self) -> None:
         self._closed = True

@@ -39,6 +39,16 @@ class TorchwireRpcBackendOptions:
             the rendezvous host (``127.0.0.1`` when that is loopback or for ``file://``).
         init_timeout: how long ``init_rpc`` waits for every worker; defaults to
             ``rpc_timeout`` (or 60 s when that is 0).
+        auth_secret: the job secret (``str`` or ``bytes``) every connection proves it
+            knows; else the ``TORCHWIRE_SECRET`` environment variable; else a random
+            one from rendezvous, which is only as private as the rendezvous store.
+            Every worker must get it the same way (all set, or none).
+        handshake_timeout: seconds a connection's handshake (TLS and HMAC) may take (10).
+        tls_certfile, tls_keyfile, tls_cafile: PEM files; when given (all three), TCP
+            links use TLS with certificates checked both ways against the CA.  Links
+            over the Unix socket (same host) stay plain.
+        tls_check_hostname: whether a worker's certificate must name the address it
+            listens on (True).
     """
 
     def __init__(self, *, num_worker_threads: int = DEFAULT_NUM_WORKER_THREADS,
@@ -46,13 +56,21 @@ class TorchwireRpcBackendOptions:
                  init_method: str = DEFAULT_INIT_METHOD, device_maps=None, devices=None,
                  _transports=None, _channels=None,
                  max_message_size: int = DEFAULT_MAX_MESSAGE_SIZE,
-                 listen_addr: str | None = None, init_timeout: float | None = None) -> None:
+                 listen_addr: str | None = None, init_timeout: float | None = None,
+                 auth_secret: str | bytes | None = None, handshake_timeout: float = 10.0,
+                 tls_certfile: str | None = None, tls_keyfile: str | None = None,
+                 tls_cafile: str | None = None, tls_check_hostname: bool = True) -> None:
         if not isinstance(num_worker_threads, int) or num_worker_threads < 1:
             raise ValueError(
                 f"num_worker_threads must be a positive int, got {num_worker_threads!r}")
         if not isinstance(rpc_timeout, (int, float)) or rpc_timeout < 0:
             raise ValueError(
                 f"rpc_timeout must be >= 0 seconds (0 = no limit), got {rpc_timeout!r}")
+        if auth_secret is not None and (not isinstance(auth_secret, (str, bytes))
+                                        or not auth_secret):
+            raise ValueError("auth_secret must be a non-empty str or bytes")
+        if not isinstance(handshake_timeout, (int, float)) or handshake_timeout <= 0:
+            raise ValueError(f"handshake_timeout must be > 0 seconds, got {handshake_timeout!r}")
         if device_maps or devices:
             raise ValueError("CUDA device maps are not supported by this torchwire version; "
                              "move tensors to the CPU before sending them")
@@ -66,6 +84,12 @@ class TorchwireRpcBackendOptions:
         self.max_message_size = int(max_message_size)
         self.listen_addr = listen_addr
         self.init_timeout = init_timeout
+        self.auth_secret = auth_secret
+        self.handshake_timeout = float(handshake_timeout)
+        self.tls_certfile = tls_certfile
+        self.tls_keyfile = tls_keyfile
+        self.tls_cafile = tls_cafile
+        self.tls_check_hostname = tls_check_hostname
 
     def __repr__(self) -> str:
         return (f"TorchwireRpcBackendOptions(num_worker_threads={self.num_worker_threads}, "

@@ -11,11 +11,12 @@ import time
 
 from .. import _rref
 from .._agent import AgentState, RpcAgent
-from .._errors import RpcStateError
+from .._errors import RendezvousError, RpcStateError
 from .._future import Future
 from .._rref import RRef
 from .._rendezvous import check_worker_name, join, open_store
 from .._wire import cma
+from .._wire.auth import JobAuth
 from .._wire.listener import Listener, host_identity
 from .._worker_info import WorkerInfo
 from ._options import (DEFAULT_SHUTDOWN_TIMEOUT, UNSET_RPC_TIMEOUT, BackendType,
@@ -49,9 +50,14 @@ def is_available() -> bool:
 
 
 def _listen_host(options, store_host: str | None) -> str:
+    """``listen_addr`` if set (``0.0.0.0`` = every interface), else the route to the store."""
     explicit = getattr(options, "listen_addr", None) or os.environ.get("TORCHWIRE_LISTEN_ADDR")
     if explicit:
         return explicit
+    return _route_host(store_host)
+
+
+def _route_host(store_host: str | None) -> str:
     if store_host is None:
         return "127.0.0.1"
     try:
@@ -66,8 +72,9 @@ def _listen_host(options, store_host: str | None) -> str:
         try:
             probe.connect((addr, 9))
             return probe.getsockname()[0]
-        except OSError:
-            return "0.0.0.0"
+        except OSError as exc:
+            raise RendezvousError(f"no interface routes to the rendezvous host {store_host} "
+                                  f"({exc}); set listen_addr") from exc
 
 
 def init_rpc(name, backend=None, rank=-1, world_size=None, rpc_backend_options=None) -> None:
@@ -115,17 +122,21 @@ def init_rpc(name, backend=None, rank=-1, world_size=None, rpc_backend_options=N
                                 "call torchwire.rpc.shutdown() first")
         timeout = options.init_timeout or options.rpc_timeout or 60.0
         deadline = time.monotonic() + timeout  # one budget for the store and the join
+        auth = JobAuth.from_options(options)  # bad TLS files fail here, before the store
         store, rank, world_size, store_host = open_store(options.init_method, rank,
                                                          world_size, timeout)
         listener = Listener(_listen_host(options, store_host), 0)
         try:
+            tcp = list(listener.tcp_address)
+            if ipaddress.ip_address(tcp[0]).is_unspecified:  # every interface: name one
+                tcp[0] = _route_host(store_host)
             record = {"name": name, "rank": rank, "host": host_identity(),
-                      "tcp": list(listener.tcp_address), "unix": listener.unix_address,
-                      "pid": os.getpid(), "cma": cma.probe_record()}
+                      "tcp": tcp, "unix": listener.unix_address,
+                      "pid": os.getpid(), "cma": cma.probe_record(), "security": auth.record()}
             records, job = join(store, rank, world_size, record,
                                max(0.001, deadline - time.monotonic()))
             agent = RpcAgent(name, rank, world_size, options, store, store_host, listener,
-                             records, job)
+                             records, auth.bind(job))
         except BaseException:
             listener.close()
             raise
