@@ -11,3 +11,17 @@ def noop():
 
 def echo(x):
     return x
+
+
+def one():
+    return 1
+
+
+class Box:
+    """A value held on the owner of an RRef; the proxy benchmark calls ``get``."""
+
+    def __init__(self, value):
+        self.value = value
+
+    def get(self):
+        return self.value

@@ -60,17 +60,22 @@ def _median(vals):
 
 
 def _sync_latency(rpc, fn, args, n, warmup):
+    return _latency(lambda: rpc.rpc_sync("worker1", fn, args=args), n, warmup)
+
+
+def _latency(call, n, warmup):
+    """Sorted per-call times of ``call()`` in microseconds, after ``warmup`` calls."""
     for _ in range(warmup):
-        rpc.rpc_sync("worker1", fn, args=args)
+        call()
     pc = time.perf_counter_ns
     samples = []
     append = samples.append
     for _ in range(n):
         t0 = pc()
-        rpc.rpc_sync("worker1", fn, args=args)
+        call()
         append(pc() - t0)
     samples.sort()
-    return [s / 1e3 for s in samples]  # microseconds, sorted
+    return [s / 1e3 for s in samples]
 
 
 def _run_metrics(rpc, cfg, q):
@@ -93,6 +98,20 @@ def _run_metrics(rpc, cfg, q):
         raise AssertionError(f"16-float echo returned a wrong value: {back!r}")
     lat = _sync_latency(rpc, echo, (t16,), cfg["sync_n"], cfg["sync_warmup"])
     metric("sync_tensor16_median_us", _percentile(lat, 50), n=len(lat))
+
+    # 2b. remote() + to_here(), and an RRef proxy call ---------------------------
+    from _bench_funcs import Box, one
+
+    if rpc.remote("worker1", one).to_here() != 1:
+        raise AssertionError("remote(one).to_here() did not return 1")
+    lat = _latency(lambda: rpc.remote("worker1", one).to_here(), cfg["sync_n"],
+                   cfg["sync_warmup"])
+    metric("remote_to_here_median_us", _percentile(lat, 50), n=len(lat))
+    box = rpc.remote("worker1", Box, args=(7,))
+    if box.rpc_sync().get() != 7:
+        raise AssertionError("rref.rpc_sync().get() did not return 7")
+    lat = _latency(box.rpc_sync().get, cfg["sync_n"], cfg["sync_warmup"])
+    metric("rref_proxy_median_us", _percentile(lat, 50), n=len(lat))
 
     # 3. rpc_async throughput --------------------------------------------------
     n_async = cfg["async_n"]

@@ -72,6 +72,10 @@ def metric_specs():
         ("sync_noop_median_us", "rpc_sync no-op latency, median", "µs", False, ("<=", 0.5)),
         ("sync_noop_p99_us", "rpc_sync no-op latency, p99", "µs", False, None),
         ("sync_tensor16_median_us", "rpc_sync echo 16-float tensor, median", "µs", False, None),
+        ("remote_to_here_median_us", "remote() + to_here() latency, median", "µs", False,
+         ("<=", 0.5)),
+        ("rref_proxy_median_us", "RRef proxy call rref.rpc_sync().get(), median", "µs", False,
+         ("<=", 0.5)),
         ("async_noop_calls_per_s", "rpc_async no-op throughput (10 000 in flight)", "calls/s",
          True, (">=", 3.0)),
     ]

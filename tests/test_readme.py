@@ -31,3 +31,16 @@ def test_readme_two_worker_example_runs(tmp_path):
         "tensor([3., 3.])",
         "On WorkerInfo(id=1, name=worker1):",
     ]
+
+
+def test_readme_rref_example_runs(tmp_path):
+    code = re.findall(r"```python\n(.*?)```", README.read_text(), re.S)[2]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    script = tmp_path / "rref_example.py"
+    script.write_text(code.replace("29501", str(port)))
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                         timeout=90)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines() == ["tensor(3000.)", "5.0", "worker3 False"]

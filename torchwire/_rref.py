@@ -2,7 +2,7 @@
 
 An RRef names a value that lives on one worker, its *owner*.  Every other worker
 that holds it holds a *user* RRef, identified by the value's ``rref_id`` and its
-own ``fork_id`` (both :class:`GloballyUniqueId`: the rank that made it and a
+own ``fork_id`` (both ``(created_on, local_id)``: the rank that made it and a
 counter).  The owner keeps the value while any fork of it exists anywhere, and
 while local RRef objects on the owner refer to it.
 
@@ -45,7 +45,6 @@ import queue
 import threading
 import time
 import weakref
-from typing import NamedTuple
 
 import torch
 
@@ -63,14 +62,13 @@ _TOMBSTONES_MAX = 100_000
 _UNSET = -1.0
 
 
-class GloballyUniqueId(NamedTuple):
-    """``(created_on, local_id)``: the rank that made the id and its counter."""
+# Ids are plain ``(created_on, local_id)`` tuples (the rank that made the id and its
+# counter): they pickle compactly.  Printed as torch prints its GloballyUniqueId.
+_Id = tuple
 
-    created_on: int
-    local_id: int
 
-    def __repr__(self) -> str:
-        return f"GloballyUniqueId(created_on={self.created_on}, local_id={self.local_id})"
+def _gid(i) -> str:
+    return f"GloballyUniqueId(created_on={i[0]}, local_id={i[1]})"
 
 
 def _require_ctx() -> RRefContext:
@@ -89,17 +87,17 @@ class _Entry:
 
     __slots__ = ("rref_id", "future", "forks", "type_hint", "__weakref__")
 
-    def __init__(self, rref_id: GloballyUniqueId, type_hint=None) -> None:
+    def __init__(self, rref_id: _Id, type_hint=None) -> None:
         self.rref_id = rref_id
         self.future = Future()
-        self.forks: dict[GloballyUniqueId, int] = {}  # fork id -> holder rank
+        self.forks: dict[_Id, int] = {}  # fork id -> holder rank
         self.type_hint = type_hint
 
     def value(self, timeout: float | None = None):
         fut = self.future
         if not fut.done():
             if timeout is not None and timeout > 0:
-                _wait_done(fut, timeout, f"the value of {self.rref_id!r}")
+                _wait_done(fut, timeout, f"the value of {_gid(self.rref_id)}")
             else:
                 fut.wait()
         return fut.value()  # raises the stored error
@@ -298,9 +296,9 @@ class RRef:
     def _check_alive(self, what: str) -> None:
         state = self._user
         if state is not None and state.deleted:
-            raise RuntimeError(f"User RRef with RRefId={state.rref_id!r} and "
-                               f"ForkId={state.fork_id!r} has been deleted. Cannot call {what} "
-                               "on it after deletion.")
+            raise RuntimeError(f"User RRef with RRefId={_gid(state.rref_id)} and "
+                               f"ForkId={_gid(state.fork_id)} has been deleted. "
+                               f"Cannot call {what} on it after deletion.")
 
     def __reduce__(self):
         # torch's wording; the RPC pickler handles RRefs before this is reached
@@ -309,9 +307,9 @@ class RRef:
 
     def __repr__(self) -> str:
         if self._entry is not None:
-            return f"OwnerRRef({self._entry.rref_id!r})"
+            return f"OwnerRRef({_gid(self._entry.rref_id)})"
         s = self._user
-        return f"UserRRef(RRefId = {s.rref_id!r}, ForkId = {s.fork_id!r})"
+        return f"UserRRef(RRefId = {_gid(s.rref_id)}, ForkId = {_gid(s.fork_id)})"
 
     __str__ = __repr__
 
@@ -360,12 +358,12 @@ class RRefContext:
         self.rank = agent.rank
         self._ids = itertools.count()
         self._lock = threading.Lock()
-        self._owned: dict[GloballyUniqueId, _Entry] = {}  # entries with forks (held)
+        self._owned: dict[_Id, _Entry] = {}  # entries with forks (held)
         self._live: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
-        self._deleted: dict[GloballyUniqueId, None] = {}  # rref ids freed for good
-        self._dead_forks: dict[GloballyUniqueId, None] = {}  # deleted before registered
-        self._children: dict[GloballyUniqueId, RRef] = {}  # forks sent, not yet accepted
-        self._users: dict[GloballyUniqueId, _UserState] = {}  # live user forks
+        self._deleted: dict[_Id, None] = {}  # rref ids freed for good
+        self._dead_forks: dict[_Id, None] = {}  # deleted before registered
+        self._children: dict[_Id, RRef] = {}  # forks sent, not yet accepted
+        self._users: dict[_Id, _UserState] = {}  # live user forks
         self.events: queue.SimpleQueue = queue.SimpleQueue()
         self._inflight = 0
         self._busy = False
@@ -374,8 +372,8 @@ class RRefContext:
                                          name=f"torchwire-rref-{agent.name}", daemon=True)
         self._janitor.start()
 
-    def new_id(self) -> GloballyUniqueId:
-        return GloballyUniqueId(self.rank, next(self._ids))
+    def new_id(self) -> _Id:
+        return (self.rank, next(self._ids))
 
     def resolve_timeout(self, timeout) -> float:
         if timeout is None or timeout == _UNSET:
@@ -403,7 +401,7 @@ class RRefContext:
         with self._lock:
             self._live[entry.rref_id] = entry
 
-    def entry_for(self, rref_id: GloballyUniqueId, creating: bool = False) -> _Entry:
+    def entry_for(self, rref_id: _Id, creating: bool = False) -> _Entry:
         """The live entry for ``rref_id``, created empty if it has not arrived yet.
 
         Raises:
@@ -413,7 +411,7 @@ class RRefContext:
             entry = self._live.get(rref_id)
             if entry is None:
                 if rref_id in self._deleted and not creating:
-                    raise RuntimeError(f"RRef {rref_id!r} owned by {self.agent.name} has "
+                    raise RuntimeError(f"RRef {_gid(rref_id)} owned by {self.agent.name} has "
                                        "already been deleted (no reference to it was left)")
                 self._deleted.pop(rref_id, None)
                 entry = _Entry(rref_id)
@@ -483,13 +481,11 @@ class RRefContext:
         return _rebuild_rref, (state.owner, state.rref_id, fork_id, self.rank, False)
 
     def rebuild(self, owner: int, rref_id, fork_id, parent: int, confirmed: bool) -> RRef:
-        rref_id = GloballyUniqueId(*rref_id)
         if owner == self.rank:
             entry = self.entry_for(rref_id)
             if fork_id is not None:  # a user's fork came home in a reply: tell its parent
-                self.events.put(("accept", parent, GloballyUniqueId(*fork_id)))
+                self.events.put(("accept", parent, fork_id))
             return RRef._new_owner(self, entry)
-        fork_id = GloballyUniqueId(*fork_id)
         state = _UserState(owner, rref_id, fork_id, confirmed)
         with self._lock:
             self._users[fork_id] = state
@@ -682,9 +678,9 @@ class RRefContext:
 
     def leaks(self) -> list[str]:
         with self._lock:
-            owned = [f"{e.rref_id!r} (forks held by ranks {sorted(set(e.forks.values()))})"
-                     for e in self._owned.values()]
-            users = [f"{s.rref_id!r} fork {s.fork_id!r}" for s in self._users.values()
+            owned = [f"{_gid(e.rref_id)} (forks held by ranks "
+                     f"{sorted(set(e.forks.values()))})" for e in self._owned.values()]
+            users = [f"{_gid(s.rref_id)} fork {_gid(s.fork_id)}" for s in self._users.values()
                      if not s.deleted]
         return [f"owner RRef {o}" for o in owned] + [f"user RRef {u}" for u in users]
 
@@ -743,9 +739,9 @@ def _remote_exec(rref_id, fork_id, caller: int, func, args, kwargs):
     The reply (None, or the function's error as bytes) confirms the caller's fork.
     """
     ctx = _require_ctx()
-    entry = ctx.entry_for(GloballyUniqueId(*rref_id), creating=True)
+    entry = ctx.entry_for(rref_id, creating=True)
     if fork_id is not None:
-        ctx.add_fork(entry, GloballyUniqueId(*fork_id), caller)
+        ctx.add_fork(entry, fork_id, caller)
     reply = Future()
 
     def fail(exc) -> None:
@@ -863,17 +859,16 @@ def _rref_control(sender: int, ops) -> list:
     ctx = _require_ctx()
     refused = []
     for op, rref_id, fork_id in ops:
-        fork_id = GloballyUniqueId(*fork_id)
         if op == "fork":
             try:
-                entry = ctx.entry_for(GloballyUniqueId(*rref_id))
+                entry = ctx.entry_for(rref_id)
             except RuntimeError as exc:
                 log.warning("torchwire: fork %r from rank %d refused: %s", fork_id, sender, exc)
                 refused.append(fork_id)
                 continue
             ctx.add_fork(entry, fork_id, sender)
         elif op == "del":
-            ctx.del_fork(GloballyUniqueId(*rref_id), fork_id)
+            ctx.del_fork(rref_id, fork_id)
         elif op == "accept":
             ctx._drop_child(fork_id)
         else:

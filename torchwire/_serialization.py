@@ -36,6 +36,28 @@ _extra_reducers: dict[type, Callable[[Any], Any]] = {}
 def register_reducer(cls: type, reducer: Callable[[Any], Any]) -> None:
     """Make the RPC pickler reduce instances of ``cls`` (and subclasses) with ``reducer``."""
     _extra_reducers[cls] = reducer
+    _dispatch.clear()
+
+
+# How the pickler treats each exact type (filled lazily): None = as pickle does.
+_TENSOR, _SCRIPT, _FUTURE = object(), object(), object()
+_dispatch: dict[type, Any] = {}
+
+
+def _resolve(t: type):
+    if issubclass(t, torch.Tensor):
+        return _TENSOR
+    reducer = _extra_reducers.get(t)
+    if reducer is not None:
+        return reducer
+    for cls, fn in _extra_reducers.items():
+        if issubclass(t, cls):
+            return fn
+    if issubclass(t, torch.jit.ScriptFunction):
+        return _SCRIPT
+    if issubclass(t, torch._C.Future):
+        return _FUTURE
+    return None
 
 
 def byte_view(t: torch.Tensor, nbytes: int) -> memoryview:
@@ -129,23 +151,22 @@ class _RpcPickler(pickle.Pickler):
         super().__init__(file, protocol=_PROTOCOL)
         self.tensors: list[torch.Tensor] = []
 
-    def reducer_override(self, obj):  # noqa: C901 - one dispatch point, kept flat for speed
-        if isinstance(obj, torch.Tensor):
+    def reducer_override(self, obj):
+        # Called for nearly every object pickled: one dict lookup by exact type decides.
+        t = type(obj)
+        try:
+            how = _dispatch[t]
+        except KeyError:
+            how = _dispatch[t] = _resolve(t)
+        if how is None:
+            return NotImplemented
+        if how is _TENSOR:
             return self._reduce_tensor(obj)
-        if _extra_reducers:
-            reducer = _extra_reducers.get(type(obj))
-            if reducer is None:
-                for cls, fn in _extra_reducers.items():
-                    if isinstance(obj, cls):
-                        reducer = fn
-                        break
-            if reducer is not None:
-                return reducer(obj)
-        if isinstance(obj, torch.jit.ScriptFunction):
+        if how is _SCRIPT:
             return self._reduce_script_function(obj)
-        if isinstance(obj, torch.futures.Future) or type(obj) is torch._C.Future:
+        if how is _FUTURE:
             raise SerializationError("Can not pickle torch.futures.Future")
-        return NotImplemented
+        return how(obj)
 
     def _reduce_tensor(self, t: torch.Tensor):
         # Fast path for the common case (a small, plain, dense, contiguous CPU tensor):
