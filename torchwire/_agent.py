@@ -43,7 +43,7 @@ from . import _serialization as ser
 from . import _threads
 from ._errors import (ConnectionClosedError, RpcStateError, RpcTimeoutError,
                       SerializationError, WorkerUnavailableError)
-from ._future import Future, set_dispatcher
+from ._future import Deferred, Future, set_dispatcher
 from ._pool import WorkerPool
 from ._timer import DeadlineTimer
 from ._wire import cma
@@ -438,6 +438,9 @@ class RpcAgent:
                 fut.add_done_callback(lambda f: self._reply_future(conn, rid, f))
                 return
             result = func(*(args or ()), **(kwargs or {}))
+            if type(result) is Deferred:  # torchwire-internal functions (RRefs)
+                result.future.add_done_callback(lambda f: self._reply_future(conn, rid, f))
+                return
         except Exception as exc:
             self._reply_error(conn, rid, exc, traceback.format_exc())
             return

@@ -34,6 +34,16 @@ def _run_off_io(fn, arg) -> None:
         fn(arg)
 
 
+class Deferred:
+    """Returned by an internal function run through RPC: the reply is sent when
+    ``future`` completes (like ``async_execution``, decided per call)."""
+
+    __slots__ = ("future",)
+
+    def __init__(self, future) -> None:
+        self.future = future
+
+
 class Future(torch.futures.Future):
     """A :class:`torch.futures.Future` whose callbacks stay off I/O threads."""
 

@@ -50,7 +50,7 @@ import torch
 
 from . import _serialization as ser
 from ._errors import RpcStateError, RpcTimeoutError, WorkerUnavailableError
-from ._future import Future
+from ._future import Deferred, Future
 
 log = logging.getLogger("torchwire")
 
@@ -434,11 +434,15 @@ class RRefContext:
                 self._trim()
                 return
             if not entry.forks:
-                # The last fork is gone: unless a local RRef still holds the value (then
-                # it is found in _live first), a later reference to it is stale.
                 self._owned.pop(rref_id, None)
-                self._deleted[rref_id] = None
-                self._trim()
+                if entry.future.done():
+                    # The last fork of a made value is gone: unless a local RRef still
+                    # holds it (found in _live first), a later reference is stale.  Not
+                    # so before the value is made: the creator's fork is registered by
+                    # _remote_exec, which may arrive after its children's forks came
+                    # and went; it makes the entry anew.
+                    self._deleted[rref_id] = None
+                    self._trim()
         del entry  # may free the value here, outside the lock
 
     def _trim(self) -> None:
@@ -727,12 +731,6 @@ def _reduce_rref(rref: RRef):
 ser.register_reducer(RRef, _reduce_rref)
 
 
-def _async(fn):
-    fn._wrapped_async_rpc_function = fn
-    return fn
-
-
-@_async
 def _remote_exec(rref_id, fork_id, caller: int, func, args, kwargs):
     """Owner: create the value of a ``remote()`` call.
 
@@ -742,38 +740,36 @@ def _remote_exec(rref_id, fork_id, caller: int, func, args, kwargs):
     entry = ctx.entry_for(rref_id, creating=True)
     if fork_id is not None:
         ctx.add_fork(entry, fork_id, caller)
-    reply = Future()
-
-    def fail(exc) -> None:
-        import traceback
-        entry.future.set_exception(exc)
-        reply.set_result(ser.dumps_exception(exc, ctx.agent._desc,
-                                             "".join(traceback.format_exception(exc))))
-
     try:
         if getattr(func, "_wrapped_async_rpc_function", None) is not None:
             result = func(*(args or ()), **(kwargs or {}))
             if not isinstance(result, torch._C.Future):
                 raise RuntimeError("Functions decorated with @rpc.async_function must return "
                                    "a torch.futures.Future object")
+            reply = Future()
 
             def finish(f) -> None:
                 try:
                     value = f.wait()
                 except Exception as exc:
-                    fail(exc)
+                    reply.set_result(_failed(ctx, entry, exc))
                     return
                 entry.future.set_result(value)
                 reply.set_result(None)
             result.add_done_callback(finish)
-            return reply
+            return Deferred(reply)
         value = func(*(args or ()), **(kwargs or {}))
     except Exception as exc:
-        fail(exc)
-        return reply
+        return _failed(ctx, entry, exc)
     entry.future.set_result(value)
-    reply.set_result(None)
-    return reply
+    return None
+
+
+def _failed(ctx, entry: _Entry, exc: BaseException) -> bytes:
+    """Store ``exc`` as the value's error; the creation reply describes it."""
+    import traceback
+    entry.future.set_exception(exc)
+    return ser.dumps_exception(exc, ctx.agent._desc, "".join(traceback.format_exception(exc)))
 
 
 def _awaited(rref: RRef):
@@ -786,10 +782,10 @@ def _awaited(rref: RRef):
     return fut
 
 
-@_async
 def _rref_fetch(rref: RRef):
     """Owner: the value of ``rref`` once it exists (``to_here``)."""
-    return _awaited(rref)
+    fut = rref._entry.future
+    return fut.value() if fut.done() else Deferred(_awaited(rref))
 
 
 def _type_of(value_future) -> Future:
@@ -805,18 +801,21 @@ def _type_of(value_future) -> Future:
     return out
 
 
-@_async
 def _rref_type(rref: RRef):
-    return _type_of(_awaited(rref))
+    return Deferred(_type_of(_awaited(rref)))
 
 
-@_async
 def _proxy_invoke(rref: RRef, name: str, args, kwargs):
     """Owner: ``getattr(value, name)(*args, **kwargs)`` once the value exists.
 
     A method decorated with ``@rpc.functions.async_execution`` replies when the
     future it returns completes.
     """
+    fut = rref._entry.future
+    if fut.done():
+        value = fut.value()
+        if not _is_async_method(value, name):
+            return getattr(value, name)(*args, **kwargs)
     out = Future()
 
     def run(f) -> None:
@@ -840,7 +839,7 @@ def _proxy_invoke(rref: RRef, name: str, args, kwargs):
         run(fut)
     else:
         fut.add_done_callback(run)
-    return out
+    return Deferred(out)
 
 
 def _is_async_method(value, name: str) -> bool:
