@@ -27,7 +27,8 @@ RESOLVED = _alias.install()
 HERE = Path(__file__).parent
 CLASSIFICATION = {cls: dict(tests) for cls, tests in
                   tomllib.loads((HERE / "classification.toml").read_text()).items()}
-_MISSING_RE = re.compile(r"MissingFeature: torchwire does not provide ([\w.]+)")
+_MISSING_RE = re.compile(
+    r"MissingFeature: (?:in a thread of the test: )?torchwire does not provide ([\w.]+)")
 
 
 def pytest_addoption(parser):

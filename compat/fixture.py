@@ -11,11 +11,14 @@ Import this module only after :func:`compat._alias.install` has run.
 from __future__ import annotations
 
 import os
+import threading
 
 import torch
 import torch.distributed.rpc as rpc
 from torch.testing._internal.common_distributed import MultiProcessTestCase
 from torch.testing._internal.distributed.rpc.rpc_agent_test_fixture import RpcAgentTestFixture
+
+from _alias import MissingFeature
 
 assert rpc.__name__.startswith("torchwire"), "compat._alias.install() must run first"
 
@@ -68,6 +71,37 @@ class ForkHelper(MultiProcessTestCase):
             os.remove(self.file_name)
         except OSError:
             pass
+
+    def run_test(self, test_name, parent_pipe):
+        """In a worker: also fail the test when a thread of it hit a missing feature.
+
+        Some of torch's tests do their work in threads and never look at how those
+        threads ended; against a missing feature they would pass without testing
+        anything.  Other exceptions in threads are left as torch's test handles them.
+        """
+        missed: list[BaseException] = []
+        previous_hook = threading.excepthook
+
+        def hook(args):
+            if isinstance(args.exc_value, MissingFeature):
+                missed.append(args.exc_value)
+            previous_hook(args)
+
+        test = getattr(self, test_name)
+
+        def checked():
+            try:
+                test()
+            except BaseException as exc:
+                if missed:  # the thread's missing feature is the cause worth reporting
+                    raise MissingFeature(f"in a thread of the test: {missed[0]}") from exc
+                raise
+            if missed:
+                raise MissingFeature(f"in a thread of the test: {missed[0]}")
+
+        threading.excepthook = hook
+        setattr(self, test_name, checked)
+        super().run_test(test_name, parent_pipe)
 
 
 def build_classes(module_name: str) -> dict[str, type]:
