@@ -1,0 +1,145 @@
+"""pytest plumbing for ``./run compat``: aliases, classification, per-class summary."""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import re
+import sys
+import tomllib
+from pathlib import Path
+
+# torch's MultiProcessTestCase waits this long for a test's workers (torch's default: 300 s).
+os.environ.setdefault("DISTRIBUTED_TESTS_DEFAULT_TIMEOUT", "120")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+# Workers are forked from this process: it must never start torch's intra-op thread pool,
+# or a child's first parallel op hangs on the pool state it inherited.
+torch.set_num_threads(1)
+
+import _alias  # noqa: E402
+
+RESOLVED = _alias.install()
+
+HERE = Path(__file__).parent
+CLASSIFICATION = {cls: dict(tests) for cls, tests in
+                  tomllib.loads((HERE / "classification.toml").read_text()).items()}
+_MISSING_RE = re.compile(
+    r"MissingFeature: (?:in a thread of the test: )?torchwire does not provide ([\w.]+)")
+
+
+def pytest_addoption(parser):
+    parser.addoption("--compat-json", metavar="FILE",
+                     help="write every test's outcome (and why it failed) as JSON")
+
+
+def pytest_report_header(config):
+    lines = ["torch RPC suite against torchwire; stand-ins:"]
+    lines += [f"  {k} -> {v}" for k, v in sorted(RESOLVED.items())]
+    return lines
+
+
+def _classify(item) -> str | None:
+    cls = getattr(item, "cls", None)
+    return CLASSIFICATION.get(cls.__name__ if cls else "", {}).get(item.name)
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        kind = _classify(item)
+        if kind is None:
+            item.add_marker(pytest.mark.compat_unclassified)
+        elif kind.startswith("internal"):
+            item.add_marker(pytest.mark.skip(reason=kind))
+
+
+def pytest_runtest_setup(item):
+    if item.get_closest_marker("compat_unclassified"):
+        pytest.fail("not listed in compat/classification.toml: classify it public or internal",
+                    pytrace=False)
+
+
+class _Results:
+    def __init__(self):
+        self.outcome: dict[tuple[str, str], str] = {}
+        self.why: dict[tuple[str, str], str] = {}
+        self.seconds: dict[tuple[str, str], float] = collections.defaultdict(float)
+
+    def record(self, report):
+        cls, _, name = report.nodeid.split("::", 1)[-1].partition("::")
+        key = (cls, name)
+        self.seconds[key] += report.duration
+        if report.when == "call" or report.failed or report.skipped:
+            if key in self.outcome and self.outcome[key] != "passed" and report.when != "call":
+                return  # keep the first failure (teardown errors come after it)
+            if report.skipped:
+                reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else ""
+                self.outcome[key] = ("internal" if "internal:" in reason else "skipped")
+            else:
+                self.outcome[key] = report.outcome if report.when == "call" else "error"
+            if report.failed:
+                text = str(report.longrepr)
+                missing = _MISSING_RE.findall(text)
+                self.why[key] = (f"missing {missing[0]}" if missing
+                                 else _first_error_line(text))
+
+
+def _first_error_line(text: str) -> str:
+    for pattern in (r"\n(\w+(?:\.\w+)*(?:Error|Exception|Failure)\b: [^\n]*)",
+                    r"\nE\s+(\w+Error: [^\n]*)", r"(Process \d+ terminated[^\n]*)"):
+        found = re.findall(pattern, text)
+        if found:
+            return found[-1][:200]
+    return text.strip().splitlines()[-1][:200] if text.strip() else "?"
+
+
+_results = _Results()
+
+
+def pytest_runtest_logreport(report):
+    _results.record(report)
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    tr = terminalreporter
+    if not _results.outcome:
+        return
+    by_class = collections.defaultdict(collections.Counter)
+    for (cls, _), outcome in _results.outcome.items():
+        by_class[cls][outcome] += 1
+    tr.section("torch RPC suite against torchwire: per class")
+    tr.write_line(f"{'class':34} {'public run':>10} {'passed':>7} {'failed':>7} {'skipped':>7}"
+                  f" {'internal':>8}")
+    total = collections.Counter()
+    for cls in sorted(by_class, key=lambda c: list(CLASSIFICATION).index(c)
+                      if c in CLASSIFICATION else 99):
+        c = by_class[cls]
+        run = c["passed"] + c["failed"] + c["error"]
+        total.update(c)
+        tr.write_line(f"{cls:34} {run:>10} {c['passed']:>7} {c['failed'] + c['error']:>7} "
+                      f"{c['skipped']:>7} {c['internal']:>8}")
+    run = total["passed"] + total["failed"] + total["error"]
+    tr.write_line(f"{'total':34} {run:>10} {total['passed']:>7} "
+                  f"{total['failed'] + total['error']:>7} {total['skipped']:>7} "
+                  f"{total['internal']:>8}")
+    missing = collections.Counter(w for w in _results.why.values() if w.startswith("missing "))
+    if missing:
+        tr.write_line("failures from features torchwire does not provide yet:")
+        for what, n in missing.most_common():
+            tr.write_line(f"  {n:4}  {what}")
+    path = config.getoption("--compat-json")
+    if path:
+        rows = [{"class": cls, "test": name, "outcome": outcome,
+                 "seconds": round(_results.seconds[(cls, name)], 2),
+                 "why": _results.why.get((cls, name), "")}
+                for (cls, name), outcome in sorted(_results.outcome.items())]
+        Path(path).write_text(json.dumps(rows, indent=1) + "\n")
+        tr.write_line(f"outcomes written to {path}")
+    stale = [f"{cls}::{name}" for cls, tests in CLASSIFICATION.items() for name in tests
+             if not hasattr(sys.modules.get("test_torch_rpc"), cls)
+             or not hasattr(getattr(sys.modules["test_torch_rpc"], cls), name)]
+    if stale:
+        tr.write_line(f"classified but not in this torch: {', '.join(stale)}")

@@ -1,0 +1,119 @@
+"""torchwire's stand-in for torch's ``TensorPipeRpcAgentTestFixture``, and the test classes.
+
+torch's own test files (``test/distributed/rpc/test_tensorpipe_agent.py``) build each
+runnable class as ``type(name, (Suite, TensorPipeRpcAgentTestFixture, SpawnHelper), {})``
+(``torch.testing._internal.distributed.rpc_utils.generate_tests``).  :func:`build_classes`
+does the same with :class:`TorchwireRpcAgentTestFixture` and :class:`ForkHelper`.
+
+Import this module only after :func:`compat._alias.install` has run.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import torch
+import torch.distributed.rpc as rpc
+from torch.testing._internal.common_distributed import MultiProcessTestCase
+from torch.testing._internal.distributed.rpc.rpc_agent_test_fixture import RpcAgentTestFixture
+
+from _alias import MissingFeature
+
+assert rpc.__name__.startswith("torchwire"), "compat._alias.install() must run first"
+
+# (module under torch.testing._internal.distributed.rpc, class) in the order reported.
+SUITES = [
+    ("rpc_test", "RpcTest"),
+    ("rpc_test", "TensorPipeAgentRpcTest"),
+    ("dist_autograd_test", "DistAutogradTest"),
+    ("dist_autograd_test", "TensorPipeAgentDistAutogradTest"),
+    ("dist_optimizer_test", "DistOptimizerTest"),
+    ("examples.parameter_server_test", "ParameterServerTest"),
+    ("examples.reinforcement_learning_rpc_test", "ReinforcementLearningRpcTest"),
+]
+
+
+class TorchwireRpcAgentTestFixture(RpcAgentTestFixture):
+    """What ``TensorPipeRpcAgentTestFixture`` gives torch's tests, with torchwire's options."""
+
+    @property
+    def rpc_backend(self):
+        return rpc.BackendType.TENSORPIPE
+
+    @property
+    def rpc_backend_options(self):
+        # A fresh object per access, as torch's fixture builds one (tests mutate it).
+        return rpc.TensorPipeRpcBackendOptions(init_method=self.init_method)
+
+    def get_shutdown_error_regex(self):
+        # Same as torch's TensorPipe fixture: any error counts as "the peer is gone".
+        return "|".join(f"({e})" for e in [".*"])
+
+    def get_timeout_error_regex(self):
+        return "RPC ran for more than"
+
+
+class ForkHelper(MultiProcessTestCase):
+    """torch's ``SpawnHelper``, forking the workers instead of spawning them.
+
+    A forked worker inherits the imported torch, torchwire and the module aliases, so a
+    test starts in well under a second instead of re-importing torch four times.
+    """
+
+    def setUp(self):
+        super().setUp()
+        self._start_processes(torch.multiprocessing.get_context("fork").Process)
+
+    def tearDown(self):
+        super().tearDown()
+        try:
+            os.remove(self.file_name)
+        except OSError:
+            pass
+
+    def run_test(self, test_name, parent_pipe):
+        """In a worker: also fail the test when a thread of it hit a missing feature.
+
+        Some of torch's tests do their work in threads and never look at how those
+        threads ended; against a missing feature they would pass without testing
+        anything.  Other exceptions in threads are left as torch's test handles them.
+        """
+        missed: list[BaseException] = []
+        previous_hook = threading.excepthook
+
+        def hook(args):
+            if isinstance(args.exc_value, MissingFeature):
+                missed.append(args.exc_value)
+            previous_hook(args)
+
+        test = getattr(self, test_name)
+
+        def checked():
+            try:
+                test()
+            except BaseException as exc:
+                if missed:  # the thread's missing feature is the cause worth reporting
+                    raise MissingFeature(f"in a thread of the test: {missed[0]}") from exc
+                raise
+            if missed:
+                raise MissingFeature(f"in a thread of the test: {missed[0]}")
+
+        threading.excepthook = hook
+        setattr(self, test_name, checked)
+        super().run_test(test_name, parent_pipe)
+
+
+def build_classes(module_name: str) -> dict[str, type]:
+    """``{class name: runnable TestCase}`` for every suite in :data:`SUITES`."""
+    import importlib
+
+    classes = {}
+    for module, name in SUITES:
+        suite = getattr(importlib.import_module(
+            f"torch.testing._internal.distributed.rpc.{module}"), name)
+        cls = type(name, (suite, TorchwireRpcAgentTestFixture, ForkHelper), {})
+        cls.__module__ = module_name
+        cls.__qualname__ = name
+        classes[name] = cls
+    return classes
