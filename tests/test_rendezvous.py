@@ -482,6 +482,24 @@ def test_options_validation():
         4, 5.0, "tcp://127.0.0.1:1234")
 
 
+def test_options_of_another_backend_are_refused_with_torchs_errors():
+    class FooBackendOptions(rpc.RpcBackendOptions):
+        pass
+
+    foo = FooBackendOptions(init_method="tcp://127.0.0.1:1")
+    assert foo.rpc_timeout == 60 and issubclass(rpc.TensorPipeRpcBackendOptions,
+                                                rpc.RpcBackendOptions)
+    with pytest.raises(TypeError, match="Could not infer backend for options"):
+        rpc.init_rpc("worker0", rank=0, world_size=1, rpc_backend_options=foo)
+    with pytest.raises(TypeError, match="`rpc_backend_options` must be a "
+                                        "`TensorPipeRpcBackendOptions`"):
+        rpc.init_rpc("worker0", rank=0, world_size=1, backend=rpc.BackendType.TENSORPIPE,
+                     rpc_backend_options=foo)
+    from datetime import timedelta
+    with pytest.raises(TypeError, match="incompatible constructor arguments"):
+        rpc.TensorPipeRpcBackendOptions(rpc_timeout=timedelta())
+
+
 def test_backend_type_tensorpipe_names_the_torchwire_backend():
     assert rpc.BackendType.TENSORPIPE is rpc.BackendType.TORCHWIRE
     assert rpc.BackendType["TENSORPIPE"] is rpc.BackendType.TENSORPIPE

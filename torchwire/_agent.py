@@ -419,12 +419,23 @@ class RpcAgent:
             self._note_idle()
 
     def _serve(self, conn, rid: int, payload, tensors) -> None:
-        """Pool thread: run one request and reply."""
+        """Pool thread: decode one request, run it and reply."""
+        gates: list = []
         try:
-            func, args, kwargs = ser.loads(payload, tensors)
+            func, args, kwargs = ser.loads(payload, tensors, gates=gates)
         except Exception as exc:
             self._reply_error(conn, rid, exc, "")
             return
+        del payload, tensors
+        if gates:
+            # Something in the arguments is not ready yet (an RRef fork the owner has
+            # not confirmed): run the function once it is, without holding this thread.
+            torch.futures.collect_all(gates).add_done_callback(
+                lambda _f: self._pool.submit(self._run, conn, rid, func, args, kwargs))
+            return
+        self._run(conn, rid, func, args, kwargs)
+
+    def _run(self, conn, rid: int, func, args, kwargs) -> None:
         try:
             if getattr(func, "_wrapped_async_rpc_function", None) is not None:
                 fut = func(*(args or ()), **(kwargs or {}))
@@ -442,11 +453,20 @@ class RpcAgent:
                 result.future.add_done_callback(lambda f: self._reply_future(conn, rid, f))
                 return
         except Exception as exc:
-            self._reply_error(conn, rid, exc, traceback.format_exc())
+            tb = traceback.format_exc()
+            # As torch, the callee reports a failing function too (its log, not only
+            # the caller's exception).
+            # (formatted here: a log record must not keep the exception, and through its
+            # traceback every local of the failed call, alive)
+            log.warning("On %s:\n%s\n%s", self._desc, repr(exc), tb)
+            if isinstance(exc, TypeError) and _is_torch_op(func):
+                exc = RuntimeError("Overloaded torch operator invoked from Python failed to "
+                                   f"match any schema: {exc}")
+            self._reply_error(conn, rid, exc, tb)
             return
         # Release the arguments before replying: an RRef among them sends its
         # deletion before the caller learns the call is over.
-        del func, args, kwargs, payload, tensors
+        del func, args, kwargs
         self._reply_value(conn, rid, result)
 
     def _reply_future(self, conn, rid: int, fut) -> None:
@@ -696,6 +716,13 @@ def _unknown(what: str):
 def ser_protocol_error(kind: int):
     from ._errors import ProtocolError
     return ProtocolError(f"unexpected frame kind {kind} on an established connection")
+
+
+def _is_torch_op(func) -> bool:
+    """A builtin torch operator (``torch.add``), whose bad arguments torch reports as a
+    RuntimeError ("failed to match any schema") rather than TypeError."""
+    return type(func).__name__ == "builtin_function_or_method" and \
+        getattr(func, "__module__", None) == "torch"
 
 
 def _func_name(func) -> str:

@@ -115,9 +115,10 @@ class _UserState:
     """Mutable protocol state of one user fork; changed only by the janitor thread
     (``confirmed`` is also set by the creation callback, before it queues an event)."""
 
-    __slots__ = ("owner", "rref_id", "fork_id", "confirmed", "deleted", "gone")
+    __slots__ = ("owner", "rref_id", "fork_id", "confirmed", "deleted", "gone", "gate")
 
     def __init__(self, owner: int, rref_id, fork_id, confirmed: bool) -> None:
+        self.gate = None  # future a request waits on before its function runs
         self.owner = owner
         self.rref_id = rref_id
         self.fork_id = fork_id
@@ -177,8 +178,14 @@ class RRef:
         r._type = type_
         return r
 
-    def __class_getitem__(cls, item):  # RRef[int] in type annotations, as torch's
-        return cls
+    def __class_getitem__(cls, item):
+        """``RRef[T]`` in annotations.  TorchScript only understands torch's own RRef
+        type, so a script function annotated ``RRef[Tensor]`` compiles against that."""
+        try:
+            from torch._jit_internal import RRef as torch_rref
+            return torch_rref[item]
+        except (ImportError, AttributeError, TypeError):
+            return cls
 
     def __del__(self) -> None:
         state = getattr(self, "_user", None)
@@ -314,6 +321,12 @@ class RRef:
     __str__ = __repr__
 
 
+def _check_method(cls: type, name: str) -> None:
+    if issubclass(cls, (torch.jit.ScriptModule, torch._C.ScriptModule)):
+        return  # script modules resolve methods on the instance
+    getattr(cls, name)  # AttributeError: "type object 'X' has no attribute 'name'"
+
+
 def _done(value) -> Future:
     fut = Future()
     fut.set_result(value)
@@ -335,6 +348,10 @@ class _Proxy:
 
         def method(*args, **kwargs):
             from .rpc import api
+            if mode != "async" or rref._type is not None:
+                # As torch: the value's type (fetched once per RRef) must have the
+                # method; a typo fails here, before anything runs remotely.
+                _check_method(rref._get_type(timeout), name)
             call_args = (rref, name, args, kwargs)
             if mode == "remote":
                 return api.remote(rref._owner, _proxy_invoke, call_args, timeout=timeout)
@@ -365,6 +382,7 @@ class RRefContext:
         self._children: dict[_Id, RRef] = {}  # forks sent, not yet accepted
         self._users: dict[_Id, _UserState] = {}  # live user forks
         self.events: queue.SimpleQueue = queue.SimpleQueue()
+        self._urgent = threading.Event()  # a fork waits: do not linger before the next batch
         self._inflight = 0
         self._busy = False
         self._closed = False
@@ -494,7 +512,13 @@ class RRefContext:
         with self._lock:
             self._users[fork_id] = state
         if not confirmed:
+            # As torch: a request's function runs once the owner has confirmed the
+            # forks in its arguments, so inside it confirmed_by_owner() is True.
+            gate = Future()
+            if ser.add_gate(gate):
+                state.gate = gate
             self.events.put(("fork", state, parent))
+            self._urgent.set()
         return RRef._new_user(state)
 
     def _drop_child(self, fork_id) -> None:
@@ -545,6 +569,7 @@ class RRefContext:
                     return
                 continue
             self._busy = True
+            self._urgent.clear()
             try:
                 batch = [first]
                 while True:
@@ -560,7 +585,7 @@ class RRefContext:
             finally:
                 self._busy = False
             # Let the next events gather: one wake-up per batch, not per event.
-            time.sleep(_BATCH_DELAY)
+            self._urgent.wait(_BATCH_DELAY)
 
     def _process(self, batch) -> None:
         out: dict[int, list] = {}
@@ -638,14 +663,17 @@ class RRefContext:
             for op, _rid, _fid, local in ops:
                 if op == "fork":
                     self.events.put(("lost", local[0]))
+                    _open_gate(local[0])
         else:
             refused = set(fut.value() or ())
             for op, _rid, fid, local in ops:
                 if op == "fork" and fid in refused:
                     self.events.put(("lost", local[0]))
+                    _open_gate(local[0])
                 elif op == "fork":
                     state, parent = local
                     state.confirmed = True
+                    _open_gate(state)
                     self.events.put(("confirmed", state))
                     if parent == self.rank:
                         self._drop_child(state.fork_id)
@@ -693,6 +721,12 @@ class RRefContext:
         self.events.put(("stop",))
 
 
+def _open_gate(state: _UserState) -> None:
+    gate, state.gate = state.gate, None
+    if gate is not None:
+        gate.set_result(None)
+
+
 class _Creation(Future):
     """Future of a ``remote()`` creation: None, or the error that prevented it."""
 
@@ -725,6 +759,9 @@ def _rebuild_rref(owner, rref_id, fork_id, parent, confirmed):
 
 
 def _reduce_rref(rref: RRef):
+    state = rref._user
+    if state is not None and state.deleted:
+        raise RuntimeError("Cannot call fork an UserRRef after deletion.")
     return _require_ctx().reduce(rref)
 
 
@@ -741,28 +778,35 @@ def _remote_exec(rref_id, fork_id, caller: int, func, args, kwargs):
     if fork_id is not None:
         ctx.add_fork(entry, fork_id, caller)
     try:
-        if getattr(func, "_wrapped_async_rpc_function", None) is not None:
-            result = func(*(args or ()), **(kwargs or {}))
-            if not isinstance(result, torch._C.Future):
-                raise RuntimeError("Functions decorated with @rpc.async_function must return "
-                                   "a torch.futures.Future object")
-            reply = Future()
-
-            def finish(f) -> None:
-                try:
-                    value = f.wait()
-                except Exception as exc:
-                    reply.set_result(_failed(ctx, entry, exc))
-                    return
-                entry.future.set_result(value)
-                reply.set_result(None)
-            result.add_done_callback(finish)
-            return Deferred(reply)
         value = func(*(args or ()), **(kwargs or {}))
+        if type(value) is Deferred:  # a proxy call (rref.remote().method())
+            later = value.future
+        elif getattr(func, "_wrapped_async_rpc_function", None) is not None:
+            if not isinstance(value, torch._C.Future):
+                raise RuntimeError(
+                    "Functions decorated with @rpc.async_function must return a "
+                    f"torch.futures.Future object, but {getattr(func, '__qualname__', func)} "
+                    f"returned {type(value).__name__}")
+            later = value
+        else:
+            later = None
     except Exception as exc:
         return _failed(ctx, entry, exc)
-    entry.future.set_result(value)
-    return None
+    if later is None:
+        entry.future.set_result(value)
+        return None
+    reply = Future()
+
+    def finish(f) -> None:
+        try:
+            result = f.wait()
+        except Exception as exc:
+            reply.set_result(_failed(ctx, entry, exc))
+            return
+        entry.future.set_result(result)
+        reply.set_result(None)
+    later.add_done_callback(finish)
+    return Deferred(reply)
 
 
 def _failed(ctx, entry: _Entry, exc: BaseException) -> bytes:

@@ -315,14 +315,29 @@ def dumps_to(obj: Any, dest: int, request: bool) \
     return payload, tensors, (ctx if ctx.pins or ctx.undo else None)
 
 
-def loads(payload, tensors: list[torch.Tensor], recv_hook=None) -> Any:
+def add_gate(fut) -> bool:
+    """From a reducer's rebuild function: the message's function must not run before
+    ``fut`` completes.  Returns False when the message being decoded takes no gates
+    (a reply)."""
+    gates = getattr(_tls, "gates", None)
+    if gates is None:
+        return False
+    gates.append(fut)
+    return True
+
+
+def loads(payload, tensors: list[torch.Tensor], recv_hook=None, gates=None) -> Any:
     """Inverse of :func:`dumps`; ``tensors`` are the received ``uint8`` buffers.
+
+    ``gates``: a list to collect the futures that rebuild functions ask the caller to
+    wait for before using the result (see :func:`add_gate`); None for no gating.
 
     Raises:
         SerializationError: the payload cannot be unpickled here.
     """
     prev, prev_hook = getattr(_tls, "tensors", None), getattr(_tls, "recv_hook", None)
-    _tls.tensors, _tls.recv_hook = tensors, recv_hook
+    prev_gates = getattr(_tls, "gates", None)
+    _tls.tensors, _tls.recv_hook, _tls.gates = tensors, recv_hook, gates
     try:
         return pickle.loads(payload)
     except Exception as exc:
@@ -333,7 +348,7 @@ def loads(payload, tensors: list[torch.Tensor], recv_hook=None) -> Any:
         raise SerializationError(
             f"cannot unpickle message: {type(exc).__name__}: {exc}{hint}") from exc
     finally:
-        _tls.tensors, _tls.recv_hook = prev, prev_hook
+        _tls.tensors, _tls.recv_hook, _tls.gates = prev, prev_hook, prev_gates
 
 
 def _short_type(obj: Any) -> str:

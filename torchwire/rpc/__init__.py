@@ -11,7 +11,7 @@ from .._errors import (ConnectionClosedError, ProtocolError, RemoteError, Rendez
                        UnknownWorkerError, WorkerUnavailableError, InvalidWorkerNameError)
 from .._future import Future
 from .._worker_info import WorkerInfo
-from . import functions
+from . import constants, functions, internal  # noqa: F401
 from .._rref import RRef
 from . import api  # noqa: F401 - torch has rpc.api too
 from .api import _set_rpc_timeout  # noqa: F401 - private, as in torch

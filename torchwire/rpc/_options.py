@@ -20,7 +20,26 @@ class BackendType(enum.Enum):
     TENSORPIPE = "TORCHWIRE"  # alias: programs written for torch pass this
 
 
-class TorchwireRpcBackendOptions:
+class RpcBackendOptions:
+    """Base of every backend's options (as torch's): ``rpc_timeout`` and ``init_method``."""
+
+    def __init__(self, rpc_timeout: float = DEFAULT_RPC_TIMEOUT_SEC,
+                 init_method: str = DEFAULT_INIT_METHOD) -> None:
+        self.rpc_timeout = _check_timeout(rpc_timeout)
+        self.init_method = init_method
+
+
+def _check_timeout(rpc_timeout) -> float:
+    if isinstance(rpc_timeout, bool) or not isinstance(rpc_timeout, (int, float)):
+        # "incompatible constructor arguments" is torch's phrase for a wrong type here
+        raise TypeError(f"incompatible constructor arguments: rpc_timeout must be a number "
+                        f"of seconds, got {type(rpc_timeout).__name__}")
+    if rpc_timeout < 0:
+        raise ValueError(f"rpc_timeout must be >= 0 seconds (0 = no limit), got {rpc_timeout!r}")
+    return float(rpc_timeout)
+
+
+class TorchwireRpcBackendOptions(RpcBackendOptions):
     """Options for :func:`torchwire.rpc.init_rpc`; also exported as ``TensorPipeRpcBackendOptions``.
 
     Args:
@@ -63,9 +82,7 @@ class TorchwireRpcBackendOptions:
         if not isinstance(num_worker_threads, int) or num_worker_threads < 1:
             raise ValueError(
                 f"num_worker_threads must be a positive int, got {num_worker_threads!r}")
-        if not isinstance(rpc_timeout, (int, float)) or rpc_timeout < 0:
-            raise ValueError(
-                f"rpc_timeout must be >= 0 seconds (0 = no limit), got {rpc_timeout!r}")
+        _check_timeout(rpc_timeout)
         if auth_secret is not None and (not isinstance(auth_secret, (str, bytes))
                                         or not auth_secret):
             raise ValueError("auth_secret must be a non-empty str or bytes")
@@ -96,5 +113,4 @@ class TorchwireRpcBackendOptions:
                 f"rpc_timeout={self.rpc_timeout}, init_method={self.init_method!r})")
 
 
-RpcBackendOptions = TorchwireRpcBackendOptions
 TensorPipeRpcBackendOptions = TorchwireRpcBackendOptions

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import logging
 import os
 import socket
 import threading
 import time
+
+import torch
 
 from .. import _rref
 from .._agent import AgentState, RpcAgent
@@ -19,6 +22,8 @@ from .._wire import cma
 from .._wire.auth import JobAuth
 from .._wire.listener import Listener, host_identity
 from .._worker_info import WorkerInfo
+from . import _gather
+from ._gather import _all_gather, _barrier, _wait_all_workers  # noqa: F401 - torch's private API
 from ._options import (DEFAULT_SHUTDOWN_TIMEOUT, UNSET_RPC_TIMEOUT, BackendType,
                        TorchwireRpcBackendOptions)
 
@@ -115,7 +120,7 @@ def init_rpc(name, backend=None, rank=-1, world_size=None, rpc_backend_options=N
         raise ValueError(f"world_size must be a positive int, got {world_size!r}")
     options = rpc_backend_options if rpc_backend_options is not None \
         else TorchwireRpcBackendOptions()
-    options = _adopt_options(options)
+    options = _adopt_options(options, backend)
     with _init_lock:
         if _agent is not None and _agent.state is not AgentState.CLOSED:
             raise RpcStateError("RPC is already initialized in this process; "
@@ -141,19 +146,27 @@ def init_rpc(name, backend=None, rank=-1, world_size=None, rpc_backend_options=N
             listener.close()
             raise
         _rref.start(agent)
+        _gather._reset()
         agent.start()
         _agent = agent
 
 
-def _adopt_options(options):
-    """Accept torchwire's options, or any object with torch's option attributes."""
+def _adopt_options(options, backend):
+    """Accept torchwire's options, or torch's TensorPipe options (converted)."""
     if isinstance(options, TorchwireRpcBackendOptions):
         return options
-    import torch.distributed.rpc as torch_rpc
-    if not (hasattr(torch_rpc, "RpcBackendOptions")
-            and isinstance(options, torch_rpc.RpcBackendOptions)):
-        raise TypeError("Argument rpc_backend_options must be an instance of RpcBackendOptions "
-                        f"(torchwire.rpc.TorchwireRpcBackendOptions), got {type(options).__name__}")
+    try:
+        from torch._C._distributed_rpc import _TensorPipeRpcBackendOptionsBase as torch_tp
+    except ImportError:
+        torch_tp = ()
+    if not isinstance(options, torch_tp):
+        # torch's phrases: code that handles these errors matches on them
+        if backend is None:
+            raise TypeError(f"Could not infer backend for options {options!r}: pass "
+                            "torchwire.rpc.TensorPipeRpcBackendOptions")
+        raise TypeError("`rpc_backend_options` must be a `TensorPipeRpcBackendOptions` "
+                        f"(torchwire.rpc.TorchwireRpcBackendOptions), got "
+                        f"{type(options).__name__}")
     try:
         return TorchwireRpcBackendOptions(
             num_worker_threads=getattr(options, "num_worker_threads", 16),
@@ -304,6 +317,23 @@ def remote(to, func, args=None, kwargs=None, timeout=UNSET_RPC_TIMEOUT) -> RRef:
     return _rref._require_ctx().remote(info, func, args, kwargs, timeout)
 
 
+_thread_local_var = threading.local()
+
+
+@contextlib.contextmanager
+def _wait_all():
+    """Collect every future ``rpc_async`` returns in the block; wait for them at its end
+    (torch's private helper)."""
+    _thread_local_var.future_list = []
+    try:
+        yield
+    finally:
+        try:
+            torch.futures.wait_all(_thread_local_var.future_list)
+        finally:
+            del _thread_local_var.future_list
+
+
 def rpc_async(to, func, args=None, kwargs=None, timeout=UNSET_RPC_TIMEOUT) -> Future:
     """Run ``func(*args, **kwargs)`` on worker ``to``; return a future of the result.
 
@@ -331,7 +361,11 @@ def rpc_async(to, func, args=None, kwargs=None, timeout=UNSET_RPC_TIMEOUT) -> Fu
         >>> fut1.wait() + fut2.wait()
         tensor([5., 5.])
     """
-    return _invoke(to, func, args, kwargs, timeout)
+    fut = _invoke(to, func, args, kwargs, timeout)
+    collected = getattr(_thread_local_var, "future_list", None)
+    if collected is not None:
+        collected.append(fut)
+    return fut
 
 
 def rpc_sync(to, func, args=None, kwargs=None, timeout=UNSET_RPC_TIMEOUT):
