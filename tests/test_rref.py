@@ -255,7 +255,8 @@ _held: dict = {}
 
 def keep(key, rref):
     _held[key] = rref
-    return rref.is_owner(), rref.confirmed_by_owner() or True
+    # as torch: a function runs only once the forks in its arguments are confirmed
+    return rref.is_owner(), rref.confirmed_by_owner()
 
 
 def drop(key):
@@ -345,9 +346,10 @@ def test_owner_keeps_the_value_while_any_fork_lives(world):
 # ---------------------------------------------------------------- stress and leaks
 
 def relay(rref, to):
-    """Pass the fork on (async) and drop it: races forks against deletions."""
+    """Pass the fork on (async) and drop it: races forks against deletions.  The last
+    hop fetches the value: it must still exist while this fork holds it."""
     if to is None:
-        return rref.confirmed_by_owner() or True
+        return rref.to_here()
     return rpc.rpc_async(to, relay, args=(rref, None)).wait()
 
 
@@ -364,7 +366,9 @@ def _race(n_threads, per_thread):
                         rpc.rpc_async(owner, relay, args=(rref, target))]
                 del rref  # dropped while its forks are in flight
                 for f in futs:
-                    f.wait()
+                    value = f.wait()
+                    if not torch.equal(value, torch.full((2,), float(i))):
+                        errors.append(f"thread {tid} item {i}: got {value}")
         except BaseException as exc:
             errors.append(repr(exc))
 
@@ -388,14 +392,13 @@ def _leak_many(n):
         owner = 1 + i % 3
         rref = rpc.remote(f"worker{owner}", add, args=(i, 1))
         nxt = f"worker{1 + (owner % 3)}"
-        batch.append(rpc.rpc_async(nxt, relay, args=(rref, f"worker{1 + ((owner + 1) % 3)}")))
+        batch.append((i + 1, rpc.rpc_async(nxt, relay,
+                                            args=(rref, f"worker{1 + ((owner + 1) % 3)}"))))
         del rref
-        if len(batch) == 200:
-            for f in batch:
-                f.wait()
+        if len(batch) == 200 or i == n - 1:
+            for expected, f in batch:
+                assert f.wait() == expected
             batch = []
-    for f in batch:
-        f.wait()
     return True
 
 
