@@ -90,6 +90,9 @@ class ForkHelper(MultiProcessTestCase):
         test = getattr(self, test_name)
 
         def checked():
+            # Off the instance again before the test runs: tests send bound methods of
+            # the test case through RPC, which pickles the instance and its __dict__.
+            delattr(self, test_name)
             try:
                 test()
             except BaseException as exc:

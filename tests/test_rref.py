@@ -126,7 +126,9 @@ def test_owner_rref_local_and_remote_to_self(world):
 
 def _local_value_on_user():
     rref = rpc.remote("worker1", add, args=(1, 1))
-    with pytest.raises(RuntimeError, match="non-owner RRef.*owned by worker1"):
+    with pytest.raises(RuntimeError, match="can't call localValue\\(\\) on user "
+                       "WorkerInfo\\(id=0, name=worker0\\). Call it on owner "
+                       "WorkerInfo\\(id=1, name=worker1\\)"):
         rref.local_value()
     return rref.to_here()
 

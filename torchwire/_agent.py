@@ -33,6 +33,7 @@ import enum
 import itertools
 import logging
 import socket
+import sys
 import threading
 import time
 import traceback
@@ -454,11 +455,9 @@ class RpcAgent:
                 return
         except Exception as exc:
             tb = traceback.format_exc()
-            # As torch, the callee reports a failing function too (its log, not only
-            # the caller's exception).
-            # (formatted here: a log record must not keep the exception, and through its
-            # traceback every local of the failed call, alive)
-            log.warning("On %s:\n%s\n%s", self._desc, repr(exc), tb)
+            # As torch, the callee reports a failing function on its stderr too, not
+            # only through the caller's exception.
+            print(f"On {self._desc}:\n{exc!r}\n{tb}", file=sys.stderr)
             if isinstance(exc, TypeError) and _is_torch_op(func):
                 exc = RuntimeError("Overloaded torch operator invoked from Python failed to "
                                    f"match any schema: {exc}")

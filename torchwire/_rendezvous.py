@@ -82,7 +82,13 @@ def open_store(init_method: str, rank: int | None, world_size: int | None, timeo
     url = urllib.parse.urlparse(init_method)
     query = dict(urllib.parse.parse_qsl(url.query))
     if rank is None or rank < 0:
-        rank = int(query["rank"]) if "rank" in query else _env_int("RANK", "rank")
+        if "rank" in query:
+            rank = int(query["rank"])
+        elif url.scheme != "env" and "RANK" not in os.environ:
+            raise ValueError(f"rank parameter missing: pass rank= to init_rpc (or ?rank= in "
+                             f"the init_method {init_method!r})")
+        else:
+            rank = _env_int("RANK", "rank")
     if world_size is None:
         world_size = (int(query["world_size"]) if "world_size" in query
                       else _env_int("WORLD_SIZE", "world_size"))

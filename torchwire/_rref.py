@@ -74,7 +74,8 @@ def _gid(i) -> str:
 def _require_ctx() -> RRefContext:
     ctx = _ctx
     if ctx is None:
-        raise RpcStateError("RPC has not been initialized or has been shut down: RRefs need "
+        raise RpcStateError("Current RPC agent is not set! RPC has not been initialized or "
+                            "has been shut down: RRefs need "
                             "torchwire.rpc.init_rpc")
     return ctx
 
@@ -219,9 +220,14 @@ class RRef:
                 created the value raised (that error).
         """
         if self._entry is None:
+            s = self._user
+            ctx = _require_ctx()
+            # torch's wording, then what to do instead
             raise RuntimeError(
-                f"Cannot call local_value() on a non-owner RRef: {self} is owned by "
-                f"{self.owner_name()}; use to_here() or a proxy (rref.rpc_sync())")
+                f"For UserRRef(rref_id={_gid(s.rref_id)}, fork_id={_gid(s.fork_id)}), can't "
+                f"call localValue() on user {ctx.agent.info!r}. Call it on owner "
+                f"{self.owner()!r}: local_value() works on a non-owner RRef only there; "
+                "use to_here() or a proxy (rref.rpc_sync()) here")
         return self._entry.value()
 
     def to_here(self, timeout: float = _UNSET):

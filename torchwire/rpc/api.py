@@ -25,7 +25,7 @@ from .._worker_info import WorkerInfo
 from . import _gather
 from ._gather import _all_gather, _barrier, _wait_all_workers  # noqa: F401 - torch's private API
 from ._options import (DEFAULT_SHUTDOWN_TIMEOUT, UNSET_RPC_TIMEOUT, BackendType,
-                       TorchwireRpcBackendOptions)
+                       RpcBackendOptions, TorchwireRpcBackendOptions)
 
 log = logging.getLogger("torchwire")
 
@@ -40,7 +40,9 @@ _ignore_rref_leak = True
 def _require_agent() -> RpcAgent:
     agent = _agent
     if agent is None or agent.state is AgentState.CLOSED:
-        raise RpcStateError("RPC has not been initialized or has been shut down: "
+        # "Current RPC agent is not set!" is torch's phrase
+        raise RpcStateError("Current RPC agent is not set! RPC has not been initialized or "
+                            "has been shut down: "
                             "call torchwire.rpc.init_rpc first")
     return agent
 
@@ -161,6 +163,9 @@ def _adopt_options(options, backend):
         torch_tp = ()
     if not isinstance(options, torch_tp):
         # torch's phrases: code that handles these errors matches on them
+        if not isinstance(options, RpcBackendOptions):
+            raise TypeError("Argument rpc_backend_options must be an instance of "
+                            f"RpcBackendOptions, got {type(options).__name__}")
         if backend is None:
             raise TypeError(f"Could not infer backend for options {options!r}: pass "
                             "torchwire.rpc.TensorPipeRpcBackendOptions")
