@@ -109,10 +109,16 @@ class DistributedOptimizer:
         prev = ser.set_grad_context(None)
         try:
             futs = [api.rpc_async(r.owner(), _local_step, args=(r, context_id))
-                    for r in self.remote_optimizers]
+                    for r in self.remote_optimizers if not r.is_owner()]
         finally:
             ser.set_grad_context(prev)
         error = None
+        for r in self.remote_optimizers:
+            if r.is_owner():  # this worker's own step: here, while the others run
+                try:
+                    r.local_value().step(context_id)
+                except Exception as exc:
+                    error = error or exc
         for fut in futs:
             try:
                 fut.wait()
