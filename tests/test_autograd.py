@@ -562,3 +562,16 @@ def body_branch_merge():
 
 def test_branch_and_merge_matches_local(world):
     world.run(0, body_branch_merge)
+
+
+def test_public_names_are_exported_and_documented():
+    import torchwire.optim as optim
+    for module, names in ((dist_autograd, {"context", "backward", "get_gradients",
+                                           "is_available"}),
+                          (optim, {"DistributedOptimizer"})):
+        assert set(module.__all__) == names
+        for name in names:
+            obj = getattr(module, name)
+            assert obj.__doc__, f"{module.__name__}.{name} has no docstring"
+            assert obj.__module__ == module.__name__
+    assert dist_autograd.is_available() is True
