@@ -134,6 +134,30 @@ def test_step_errors(world):
     world.run(0, body_step_errors)
 
 
+def body_remote_module_training(steps):
+    from torchwire.nn import RemoteModule
+    remote = RemoteModule("worker2/cpu", Stage, args=(3, 2, 51))
+    local = Stage(3, 2, 51)
+    opt = DistributedOptimizer(torch.optim.SGD, remote.remote_parameters(), lr=0.2)
+    local_opt = torch.optim.SGD(local.parameters(), lr=0.2)
+    x = torch.randn(4, 3)
+    for _ in range(steps):
+        with dist_autograd.context() as cid:
+            loss = (remote(x) - 1).pow(2).sum() + (remote.forward_async(x).wait() ** 2).sum()
+            dist_autograd.backward(cid, [loss])
+            opt.step(cid)
+        local_opt.zero_grad()
+        ((local(x) - 1).pow(2).sum() + (local(x) ** 2).sum()).backward()
+        local_opt.step()
+    got = [p.to_here() for p in remote.remote_parameters()]
+    for p, q in zip(got, local.parameters()):
+        torch.testing.assert_close(p, q)
+
+
+def test_remote_module_trains_like_local(world):
+    world.run(0, body_remote_module_training, 4)
+
+
 # ---------------------------------------------------------------- the slides' example
 
 def create_requires_grad():

@@ -57,7 +57,8 @@ class _Recv(torch.autograd.Function):
 
 def _rebuild_recv(context_id: int, src: int, send_id: int, t: torch.Tensor):
     ctx = container().get_or_create(context_id)
-    ctx.recvs += 1
+    with ctx.lock:
+        ctx.recvs += 1
     if t._is_view():
         # received tensors are views of the receive buffer; marking a view dirty would
         # rebase its base's history instead.  detach(): same memory, not a view.
