@@ -25,3 +25,29 @@ class Box:
 
     def get(self):
         return self.value
+
+# --------------------------------------------------------------------------- model-parallel step
+# remote embedding (worker1) -> local layer (worker0) -> remote decoder (worker1)
+
+MP_VOCAB, MP_DIM, MP_BATCH, MP_BAG = 1000, 32, 16, 8
+
+
+def mp_embedding():
+    import torch
+    torch.manual_seed(1)
+    return torch.nn.EmbeddingBag(MP_VOCAB, MP_DIM, mode="mean")
+
+
+def mp_decoder():
+    import torch
+    torch.manual_seed(2)
+    return torch.nn.Linear(MP_DIM, MP_VOCAB)
+
+
+def mp_forward(module_rref, *args):
+    return module_rref.local_value()(*args)
+
+
+def mp_param_rrefs(module_rref):
+    rref_cls = type(module_rref)  # the library's RRef: torch's or torchwire's
+    return [rref_cls(p) for p in module_rref.local_value().parameters()]

@@ -78,6 +78,51 @@ def _latency(call, n, warmup):
     return [s / 1e3 for s in samples]
 
 
+def _mp_step_times(rpc, steps, warmup):
+    """Milliseconds of each model-parallel training step (sorted): remote embedding ->
+    local layer -> remote decoder, distributed backward, distributed optimizer step."""
+    import importlib
+
+    import torch
+
+    from _bench_funcs import (MP_BAG, MP_BATCH, MP_DIM, MP_VOCAB, mp_decoder, mp_embedding,
+                              mp_forward, mp_param_rrefs)
+
+    if rpc.__name__.startswith("torchwire"):
+        dist_autograd = importlib.import_module("torchwire.autograd")
+        optim = importlib.import_module("torchwire.optim")
+    else:
+        dist_autograd = importlib.import_module("torch.distributed.autograd")
+        optim = importlib.import_module("torch.distributed.optim")
+    torch.manual_seed(0)
+    emb = rpc.remote("worker1", mp_embedding)
+    dec = rpc.remote("worker1", mp_decoder)
+    hidden = torch.nn.Linear(MP_DIM, MP_DIM)
+    params = (rpc.rpc_sync("worker1", mp_param_rrefs, args=(emb,))
+              + [rpc.RRef(p) for p in hidden.parameters()]
+              + rpc.rpc_sync("worker1", mp_param_rrefs, args=(dec,)))
+    opt = optim.DistributedOptimizer(torch.optim.SGD, params, lr=0.05)
+    criterion = torch.nn.CrossEntropyLoss()
+    tokens = torch.randint(0, MP_VOCAB, (MP_BATCH * MP_BAG,))
+    offsets = torch.arange(0, MP_BATCH * MP_BAG, MP_BAG)
+    target = torch.randint(0, MP_VOCAB, (MP_BATCH,))
+    pc = time.perf_counter_ns
+    samples = []
+    for i in range(warmup + steps):
+        t0 = pc()
+        with dist_autograd.context() as context_id:
+            x = rpc.rpc_sync("worker1", mp_forward, args=(emb, tokens, offsets))
+            x = torch.relu(hidden(x))
+            logits = rpc.rpc_sync("worker1", mp_forward, args=(dec, x))
+            loss = criterion(logits, target)
+            dist_autograd.backward(context_id, [loss])
+            opt.step(context_id)
+        if i >= warmup:
+            samples.append(pc() - t0)
+    samples.sort()
+    return [s / 1e6 for s in samples]
+
+
 def _run_metrics(rpc, cfg, q):
     import torch
 
@@ -113,7 +158,12 @@ def _run_metrics(rpc, cfg, q):
     lat = _latency(box.rpc_sync().get, cfg["sync_n"], cfg["sync_warmup"])
     metric("rref_proxy_median_us", _percentile(lat, 50), n=len(lat))
 
-    # 3. rpc_async throughput --------------------------------------------------
+    # 3. model-parallel training step -----------------------------------------
+    times = _mp_step_times(rpc, cfg["mp_steps"], cfg["mp_warmup"])
+    metric("mp_step_median_ms", _percentile(times, 50), n=len(times),
+           p99_ms=_percentile(times, 99))
+
+    # 4. rpc_async throughput --------------------------------------------------
     n_async = cfg["async_n"]
     wait_all_failed = None
 
@@ -141,7 +191,7 @@ def _run_metrics(rpc, cfg, q):
     metric("async_noop_calls_per_s", _median(rates), reps=[round(r) for r in rates],
            n=n_async)
 
-    # 4. tensor echo bandwidth ------------------------------------------------
+    # 5. tensor echo bandwidth ------------------------------------------------
     for label, nbytes in ECHO_SIZES:
         iters = cfg["echo_iters"][label]
         x = torch.randn(nbytes // 4)

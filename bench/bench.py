@@ -50,6 +50,8 @@ def make_cfg(quick: bool) -> dict:
             "async_n": 10_000,
             "async_reps": 1,
             "async_warmup": 500,
+            "mp_steps": 100,
+            "mp_warmup": 20,
             "echo_warmup": 1,
             "echo_iters": {"1KiB": 100, "1MiB": 20, "16MiB": 5, "64MiB": 3, "256MiB": 2},
             "rpc_timeout": 120,
@@ -60,6 +62,8 @@ def make_cfg(quick: bool) -> dict:
         "async_n": 10_000,
         "async_reps": 3,
         "async_warmup": 1000,
+        "mp_steps": 500,
+        "mp_warmup": 50,
         "echo_warmup": 1,
         "echo_iters": {"1KiB": 1000, "1MiB": 200, "16MiB": 40, "64MiB": 12, "256MiB": 3},
         "rpc_timeout": 120,
@@ -76,6 +80,8 @@ def metric_specs():
          ("<=", 0.5)),
         ("rref_proxy_median_us", "RRef proxy call rref.rpc_sync().get(), median", "µs", False,
          ("<=", 0.5)),
+        ("mp_step_median_ms", "model-parallel training step (remote embedding, local layer, "
+         "remote decoder, backward, optimizer), median", "ms", False, ("<=", 0.5)),
         ("async_noop_calls_per_s", "rpc_async no-op throughput (10 000 in flight)", "calls/s",
          True, (">=", 3.0)),
     ]
@@ -420,6 +426,10 @@ def build_report(summary, libs, rounds, cfg, args, machine, started, elapsed) ->
         f"- rpc_async throughput: {cfg['async_n']:,} `rpc_async(noop)` calls issued back to back, "
         f"then `torch.futures.wait_all`; calls / elapsed time, median of {cfg['async_reps']} "
         "repetition(s) per round.",
+        f"- Model-parallel step: EmbeddingBag(1000, 32) and Linear(32, 1000) on worker1, "
+        "Linear(32, 32) on worker0; one step = a distributed autograd context, two rpc_sync "
+        "forwards, cross-entropy, distributed backward, DistributedOptimizer(SGD).step; "
+        f"{cfg['mp_warmup']} warm-up steps, then {cfg['mp_steps']} timed; median.",
         "- Tensor echo: float32 tensor of the given size sent with `rpc_sync` to a function "
         "returning its argument; bandwidth = 2 × bytes / median call time "
         f"(1 warm-up call, then iterations per size: {echo_iters}).",

@@ -1,6 +1,7 @@
 """torchwire: a fast, failure-tolerant, authenticated drop-in for torch.distributed.rpc.
 
-Public packages: :mod:`torchwire.rpc`.  Errors are re-exported here too.
+Public packages: :mod:`torchwire.rpc`, :mod:`torchwire.autograd`, :mod:`torchwire.optim`,
+:mod:`torchwire.nn`.  Errors are re-exported here too.
 """
 
 from ._errors import (AuthenticationError, ConnectionClosedError, ProtocolError, RemoteError,

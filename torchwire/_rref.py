@@ -271,9 +271,23 @@ class RRef:
         return _Proxy(self, "remote", timeout)
 
     def backward(self, dist_autograd_ctx_id: int = -1, retain_graph: bool = False) -> None:
-        """Run distributed backward from the value (needs distributed autograd)."""
-        raise RuntimeError("RRef.backward() needs torchwire's distributed autograd, which "
-                           "this version does not have yet")
+        """Run the backward pass from the value (a scalar tensor), on its owner.
+
+        Args:
+            dist_autograd_ctx_id: a distributed autograd context id: a distributed
+                backward pass in that context, from the owner (read the gradients
+                with ``torchwire.autograd.get_gradients``).  -1 (default): a local
+                ``value.backward()``, allowed on the owner only.
+            retain_graph: keep the graph for another backward.
+
+        Raises:
+            RuntimeError: -1 on a user RRef ("User RRefs require
+                'dist_autograd_ctx_id' to be specified"); the value is not a tensor
+                ("RRef should contain a tensor for .backward()"); the context does
+                not exist on the owner, or the backward pass failed.
+        """
+        from .autograd import _backward  # the layer above, loaded on use
+        _backward.rref_backward(self, dist_autograd_ctx_id, retain_graph)
 
     def _get_future(self):
         """The future of the ``remote()`` that created this RRef (done for other RRefs)."""

@@ -10,7 +10,10 @@ allocated ``uint8`` tensor and the unpickler re-types it in place
 
 Hooks: later layers (RRefs, distributed autograd) register reducers for their
 own types with :func:`register_reducer`, and may wrap received tensors through
-the thread-local unpickling context; the agent never imports them.
+the thread-local unpickling context; the agent never imports them.  Distributed
+autograd installs one more hook with :func:`set_grad_hook`: it sees requests sent
+by a thread that has an autograd context (:func:`set_grad_context`) and tensors
+that require grad in messages of such a context; nothing else reaches it.
 """
 
 from __future__ import annotations
@@ -58,6 +61,35 @@ def _resolve(t: type):
     if issubclass(t, torch._C.Future):
         return _FUTURE
     return None
+
+
+class _GradState(threading.local):
+    context: Any = None  # the autograd context id this thread's requests carry
+
+
+_grad = _GradState()
+# Distributed autograd's hook object (None until torchwire.autograd is imported):
+#   outgoing(send, call) -> call   a request sent while the thread has a context
+#   reduce_tensor(send, t)         a tensor requiring grad, in a message whose
+#                                  SendContext has grad_ctx set; a reduce tuple
+_grad_hook: Any = None
+
+
+def set_grad_hook(hook) -> None:
+    """Install distributed autograd's hook (see ``_grad_hook``)."""
+    global _grad_hook
+    _grad_hook = hook
+
+
+def grad_context():
+    """The autograd context id requests sent from this thread carry (None: none)."""
+    return _grad.context
+
+
+def set_grad_context(context_id) -> Any:
+    """Set this thread's autograd context id; returns the previous one."""
+    prev, _grad.context = _grad.context, context_id
+    return prev
 
 
 def byte_view(t: torch.Tensor, nbytes: int) -> memoryview:
@@ -178,6 +210,10 @@ class _RpcPickler(pickle.Pickler):
             index = len(self.tensors)
             self.tensors.append(t)
             return _rebuild_plain, (index, t.dtype, tuple(t.shape))
+        if t.requires_grad and _grad_hook is not None:
+            send = getattr(_tls, "send", None)
+            if send is not None and send.grad_ctx is not None:
+                return _grad_hook.reduce_tensor(send, t)
         if t.is_sparse:
             if t.requires_grad:
                 rg, t = True, t.detach()
@@ -273,15 +309,18 @@ class SendContext:
         pins: objects to keep alive until the request's reply arrives.
         undo: callables that cancel what pickling did, run if the message is
             never sent (pickling failed, the connection is gone).
+        grad_ctx: the distributed autograd context the message belongs to (its
+            tensors that require grad are recorded there), or None.
     """
 
-    __slots__ = ("dest", "request", "pins", "undo")
+    __slots__ = ("dest", "request", "pins", "undo", "grad_ctx")
 
     def __init__(self, dest: int, request: bool) -> None:
         self.dest = dest
         self.request = request
         self.pins: list = []
         self.undo: list = []
+        self.grad_ctx = None
 
     def abort(self) -> None:
         undo, self.undo, self.pins = self.undo, [], []
@@ -306,6 +345,8 @@ def dumps_to(obj: Any, dest: int, request: bool) \
     prev = getattr(_tls, "send", None)
     ctx = _tls.send = SendContext(dest, request)
     try:
+        if request and _grad.context is not None:
+            obj = _grad_hook.outgoing(ctx, obj)
         payload, tensors = dumps(obj)
     except BaseException:
         ctx.abort()

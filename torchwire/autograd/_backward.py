@@ -1,0 +1,295 @@
+"""The distributed backward pass (torch's FAST mode).
+
+``backward(C, roots)`` on worker W::
+
+    local pass:  torch.autograd.grad(roots, leaves + [anchor], ones)
+                 leaves = every AccumulateGrad variable under the roots; their
+                 gradients are added into C's record.  Each recv node reached
+                 hands its (engine-summed) gradient to the pass.
+    fan out:     for each worker S that sent a tensor reached: one request
+                 _backward_remote(C, [(send id, grad), ...]) to S
+    on S:        a local pass from those send entries with those gradients,
+                 then the same fan-out; S replies once all of its requests
+                 replied (async_execution: no thread waits meanwhile)
+    W returns when every request it sent has replied: every worker reached
+    has finished.
+
+A failure anywhere travels back as a reply *value* (the failing node's rank,
+name, error type, message and traceback), so the caller raises one error
+naming the node where it happened: ``Error on Node <rank>: <message>`` (torch's
+words) and the worker's name.
+
+A send entry may be reached again by a later pass (another path through the
+cycle, or ``retain_graph=True`` on the roots), so passes from send entries keep
+their graph (``retain_graph=True``); it is freed when the context is released.
+The root pass frees its graph unless asked to retain it, or this worker has send
+entries in the context (a later pass from one of them may cross the same nodes).
+"""
+
+from __future__ import annotations
+
+import threading
+import traceback
+
+import torch
+
+from .. import _serialization as ser
+from .._errors import RemoteError
+from .._future import Future
+from ._context import DistAutogradContext, container
+from ._recording import _anchor, _pass
+
+
+def _leaves(outputs) -> list[torch.Tensor]:
+    """The leaves (AccumulateGrad variables) of the graph under ``outputs``."""
+    seen: set = set()
+    stack = [o.grad_fn for o in outputs]
+    leaves = []
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        var = getattr(node, "variable", None)
+        if var is not None:
+            if var is not _anchor:
+                leaves.append(var)
+            continue
+        stack.extend(f for f, _ in node.next_functions)
+    return leaves
+
+
+def _local_pass(ctx: DistAutogradContext, outputs, grads, retain: bool) -> dict:
+    """One run of the local engine; returns ``{(src, send id): grad}`` to send on."""
+    inner, inner_grads, direct = [], [], []
+    for t, g in zip(outputs, grads):
+        if t.grad_fn is not None:
+            inner.append(t)
+            inner_grads.append(g)
+        elif t.requires_grad:
+            direct.append((t, g))  # a leaf sent as is
+    ctx.accumulate(direct)
+    if not inner:
+        return {}
+    leaves = _leaves(inner)
+    out: dict = {}
+    prev = getattr(_pass, "current", None)
+    _pass.current = (ctx.id, out)
+    try:
+        got = torch.autograd.grad(inner, leaves + [_anchor], inner_grads, retain_graph=retain,
+                                  allow_unused=True)
+    finally:
+        _pass.current = prev
+    ctx.accumulate(zip(leaves, got))
+    return out
+
+
+def _failure(rank: int, exc: BaseException, tb: str | None = None) -> tuple:
+    agent = container().agent
+    name = agent.get_worker_info(rank).name
+    return (rank, name, f"{type(exc).__module__}.{type(exc).__qualname__}", str(exc),
+            tb if tb is not None else "".join(traceback.format_exception(exc)))
+
+
+def _done(value) -> Future:
+    fut = Future()
+    fut.set_result(value)
+    return fut
+
+
+def _run(ctx: DistAutogradContext, outputs, grads, retain: bool) -> Future:
+    """A local pass and its fan-out; the future's value is None or a failure tuple."""
+    c = container()
+    with c._lock:
+        c.backward_passes += 1
+    fut = _pass_and_fan_out(c, ctx, outputs, grads, retain)
+
+    def finished(_f) -> None:
+        with c._lock:
+            c.backward_passes -= 1
+    fut._add_inline_callback(finished)
+    return fut
+
+
+def _pass_and_fan_out(c, ctx: DistAutogradContext, outputs, grads, retain: bool) -> Future:
+    try:
+        outgoing = _local_pass(ctx, outputs, grads, retain)
+    except Exception as exc:
+        return _done(_failure(c.rank, exc))
+    by_dest: dict[int, list] = {}
+    for (src, sid), g in outgoing.items():
+        by_dest.setdefault(src, []).append((sid, g))
+    if not by_dest:
+        return _done(None)
+    agent = c.agent
+    prev = ser.set_grad_context(None)  # control traffic of the pass, in no context
+    try:
+        calls = []
+        for dest, items in by_dest.items():
+            try:
+                fut = agent.call(agent.get_worker_info(dest), _backward_remote,
+                                 (ctx.id, items), None, agent.rpc_timeout)
+            except Exception as exc:
+                fut = Future()
+                fut.set_exception(exc)
+            calls.append((dest, fut))
+    finally:
+        ser.set_grad_context(prev)
+    return _join(calls)
+
+
+def _join(calls) -> Future:
+    """A future done when every call is: None, or the first failure reported."""
+    out = Future()
+    left = [len(calls)]
+    first: list = [None]
+    lock = threading.Lock()
+
+    def one(dest: int, f) -> None:
+        try:
+            failure = f.value()
+        except Exception as exc:  # transport: the worker is gone, timed out...
+            failure = _failure(dest, exc, "")
+        with lock:
+            if failure is not None and first[0] is None:
+                first[0] = failure
+            left[0] -= 1
+            last = left[0] == 0
+        if last:
+            out.set_result(first[0])
+
+    for dest, fut in calls:
+        fut._add_inline_callback(lambda f, d=dest: one(d, f))
+    return out
+
+
+def _backward_remote(context_id: int, items) -> Future:
+    """Request: continue the backward pass from this worker's send entries."""
+    c = container()
+    try:
+        ctx = c.get(context_id)
+        with ctx.lock:
+            outputs = [ctx.sends[sid] for sid, _ in items]
+    except Exception as exc:
+        if isinstance(exc, KeyError):
+            exc = RuntimeError(f"autograd context {context_id} has no send entry {exc} here")
+        return _done(_failure(c.rank, exc))
+    return _run(ctx, outputs, [g for _, g in items], True)
+
+
+_backward_remote._wrapped_async_rpc_function = _backward_remote  # type: ignore[attr-defined]
+
+
+def _check_roots(roots) -> list[torch.Tensor]:
+    if not isinstance(roots, (list, tuple)) or \
+            not all(isinstance(t, torch.Tensor) for t in roots):
+        raise TypeError("backward(): incompatible function arguments: roots must be a list "
+                        f"of tensors, got {type(roots).__name__}")
+    if not roots:
+        raise RuntimeError("No tensors provided for gradient computation.")
+    for i, t in enumerate(roots):
+        if not t.requires_grad:
+            raise RuntimeError(f"requires_grad not set on root tensor {i}")
+        if t.numel() != 1:
+            raise RuntimeError(f"Tensor {i} of shape {tuple(t.shape)} is not a scalar, all "
+                               "roots need to be scalar")
+        if t.grad_fn is None:
+            raise RuntimeError(f"Tensor {i} does not have a valid gradient function (it is "
+                               "a leaf)")
+    return list(roots)
+
+
+def backward(context_id: int, roots, retain_graph: bool = False) -> None:
+    """Run the distributed backward pass from ``roots`` in context ``context_id``.
+
+    The pass reaches every worker that sent or received, in this context, a
+    tensor the roots depend on; gradients of leaves accumulate in the context on
+    the worker where each leaf lives (read them with :func:`get_gradients`),
+    never in ``.grad``.  Returns when every worker reached has finished.
+
+    Args:
+        context_id: the id ``with torchwire.autograd.context()`` gave.
+        roots: scalar tensors to differentiate (a gradient of 1 each).
+        retain_graph: keep the local graph of the roots for another backward.
+
+    Raises:
+        TypeError: ``context_id`` is not an int or ``roots`` not a list of tensors.
+        RuntimeError: no such context here ("Could not find autograd context with
+            id"), a root is not a scalar, does not require grad or is a leaf; or
+            the pass failed on some worker: "Error on Node <rank>: <error>", with
+            the worker's name (a :class:`RemoteError` when it was another worker).
+
+    Example::
+
+        >>> with torchwire.autograd.context() as ctx:
+        ...     t1 = torch.rand(3, requires_grad=True)
+        ...     loss = rpc.rpc_sync("worker1", torch.mul, args=(t1, 2)).sum()
+        ...     torchwire.autograd.backward(ctx, [loss])
+        ...     torchwire.autograd.get_gradients(ctx)[t1]
+        tensor([2., 2., 2.])
+    """
+    if not isinstance(context_id, int) or isinstance(context_id, bool):
+        raise TypeError("backward(): incompatible function arguments: context_id must be an "
+                        f"int, got {type(context_id).__name__}")
+    c = container()
+    roots = _check_roots(roots)
+    ctx = c.get(context_id)
+    retain = bool(retain_graph) or bool(ctx.sends)
+    failure = _run(ctx, roots, [torch.ones_like(r) for r in roots], retain).wait()
+    if failure is not None:
+        raise _error(c.rank, failure)
+
+
+def _error(here: int, failure: tuple) -> RuntimeError:
+    rank, name, type_name, message, tb = failure
+    text = (f"Error on Node {rank}: {message}\n(in the distributed backward pass on worker "
+            f"{name}, {type_name})")
+    if tb:
+        text += f"\n{tb}"
+    if rank == here:
+        return RuntimeError(text)
+    return RemoteError(text, remote_type=type_name, worker_name=name, remote_traceback=tb)
+
+
+def get_gradients(context_id: int) -> dict:
+    """The gradients accumulated on this worker in context ``context_id``.
+
+    Returns:
+        ``{tensor: gradient}`` for the leaves that live on this worker.
+
+    Raises:
+        RuntimeError: no such context here ("Could not find autograd context with id").
+    """
+    ctx = container().get(context_id)
+    with ctx.lock:
+        return dict(ctx.grads)
+
+
+def rref_backward(rref, context_id: int, retain_graph: bool) -> None:
+    """``RRef.backward``: from the owner, locally (``context_id == -1``) or distributed."""
+    if rref.is_owner():
+        _owner_backward(rref.local_value(), context_id, retain_graph)
+        return
+    if context_id == -1:
+        raise RuntimeError("User RRefs require 'dist_autograd_ctx_id' to be specified")
+    c = container()
+    prev = ser.set_grad_context(None)
+    try:
+        c.agent.call(rref.owner(), _rref_backward_remote, (rref, context_id, retain_graph),
+                     None, c.agent.rpc_timeout).wait()
+    finally:
+        ser.set_grad_context(prev)
+
+
+def _owner_backward(value, context_id: int, retain_graph: bool) -> None:
+    if not isinstance(value, torch.Tensor):
+        raise RuntimeError(f"RRef should contain a tensor for .backward(), it holds a "
+                           f"{type(value).__name__}")
+    if context_id == -1:
+        value.backward(retain_graph=retain_graph)
+    else:
+        backward(context_id, [value], retain_graph)
+
+
+def _rref_backward_remote(rref, context_id: int, retain_graph: bool) -> None:
+    _owner_backward(rref.local_value(), context_id, retain_graph)

@@ -1,0 +1,238 @@
+"""Distributed autograd contexts: one record per (worker, context id).
+
+A context id is ``rank << 48 | counter`` (torch's layout), so ids made on
+different workers never collide.  The worker that opens ``context()`` owns the
+id; every other worker creates its record of the id when a request carrying it
+arrives.  A record holds:
+
+* ``sends``: send id -> the tensor this worker sent (requiring grad) in a message
+  of the context; the distributed backward pass restarts the local engine there
+  when the receiver sends back the tensor's gradient.  Holding the tensor keeps
+  its graph alive until the context is released.
+* ``grads``: leaf tensor -> its gradient accumulated in this context (``.grad``
+  is never touched).
+* ``known``: ranks this worker sent requests of the context to: the release
+  follows these edges.
+
+Release (torch's protocol): leaving ``with context()`` drops the owner's record
+and sends a one-way "release" to every known worker, which drops its record and
+forwards the release to *its* known workers.  A released foreign id leaves a
+tombstone, so a message of the context that arrives late (an ``rpc_async`` never
+waited for) does not recreate the record; an id of this worker that is not live
+is finished for good (ids are never reused).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+
+import torch
+
+from .. import _serialization as ser
+
+log = logging.getLogger("torchwire")
+
+_ID_BITS = 48
+_MAX_LOCAL_ID = (1 << _ID_BITS) - 1
+_TOMBSTONES_MAX = 100_000
+
+
+class DistAutogradContext:
+    """One worker's record of a distributed autograd context."""
+
+    __slots__ = ("id", "lock", "sends", "grads", "known", "recvs", "__weakref__")
+
+    def __init__(self, context_id: int) -> None:
+        self.id = context_id
+        self.lock = threading.Lock()
+        self.sends: dict[int, torch.Tensor] = {}
+        self.grads: dict[torch.Tensor, torch.Tensor] = {}
+        self.known: set[int] = set()
+        self.recvs = 0
+
+    # torch's DistAutogradContext methods
+    def _context_id(self) -> int:
+        return self.id
+
+    def _known_worker_ids(self) -> set[int]:
+        with self.lock:
+            return set(self.known)
+
+    def _send_functions(self) -> dict[int, torch.Tensor]:
+        with self.lock:
+            return dict(self.sends)
+
+    def _num_recv_functions(self) -> int:
+        return self.recvs
+
+    def accumulate(self, pairs) -> None:
+        """Add ``(leaf, grad)`` pairs into the context's gradients."""
+        with self.lock:
+            grads = self.grads
+            for leaf, g in pairs:
+                if g is None:
+                    continue
+                old = grads.get(leaf)
+                grads[leaf] = g if old is None else old + g
+
+    def __repr__(self) -> str:
+        return (f"<DistAutogradContext id={self.id} (worker {self.id >> _ID_BITS}) "
+                f"sends={len(self.sends)} recvs={self.recvs} grads={len(self.grads)} "
+                f"known_workers={sorted(self.known)}>")
+
+
+def not_found(context_id) -> RuntimeError:
+    # torch's phrase: its tests and ported error handling match on it
+    return RuntimeError(f"Could not find autograd context with id: {context_id} (it was "
+                        "never opened here, or its `with dist_autograd.context()` block has "
+                        "exited)")
+
+
+class ContextContainer:
+    """Every context record of this worker (one container per RPC agent)."""
+
+    def __init__(self, agent) -> None:
+        self.agent = agent
+        self.rank = agent.rank
+        self._lock = threading.Lock()
+        self._contexts: dict[int, DistAutogradContext] = {}
+        self._tombstones: dict[int, None] = {}
+        self._next = itertools.count(0)
+        self._send_ids = itertools.count(1)
+        self.backward_passes = 0
+
+    def __repr__(self) -> str:
+        return (f"<ContextContainer rank={self.rank} contexts={len(self._contexts)} "
+                f"backward_passes={self.backward_passes}>")
+
+    def max_id(self) -> int:
+        return (self.rank << _ID_BITS) + _MAX_LOCAL_ID
+
+    # ------------------------------------------------------------------ lookup
+
+    def new_context(self) -> DistAutogradContext:
+        local = next(self._next)
+        if local > _MAX_LOCAL_ID:
+            raise RuntimeError("distributed autograd context ids are exhausted on this worker")
+        ctx = DistAutogradContext((self.rank << _ID_BITS) | local)
+        with self._lock:
+            self._contexts[ctx.id] = ctx
+        return ctx
+
+    def get(self, context_id: int) -> DistAutogradContext:
+        """The live record of ``context_id``.
+
+        Raises:
+            RuntimeError: torch's "Could not find autograd context with id".
+        """
+        ctx = self._contexts.get(context_id)
+        if ctx is None:
+            raise not_found(context_id)
+        return ctx
+
+    def find(self, context_id: int) -> DistAutogradContext | None:
+        return self._contexts.get(context_id)
+
+    def get_or_create(self, context_id: int) -> DistAutogradContext:
+        """The record of a context this worker takes part in, created on first use.
+
+        A context already released here (or a finished id of this worker) gets a
+        record that is not kept: whatever is recorded in it dies with it.
+        """
+        ctx = self._contexts.get(context_id)
+        if ctx is not None:
+            return ctx
+        with self._lock:
+            ctx = self._contexts.get(context_id)
+            if ctx is None:
+                ctx = DistAutogradContext(context_id)
+                if context_id >> _ID_BITS != self.rank and context_id not in self._tombstones:
+                    self._contexts[context_id] = ctx
+            return ctx
+
+    def record_send(self, context_id: int, t: torch.Tensor) -> int:
+        sid = next(self._send_ids)
+        ctx = self.get_or_create(context_id)
+        with ctx.lock:
+            ctx.sends[sid] = t
+        return sid
+
+    def note_worker(self, context_id: int, rank: int) -> None:
+        if rank == self.rank:
+            return
+        ctx = self.get_or_create(context_id)
+        if rank not in ctx.known:
+            with ctx.lock:
+                ctx.known.add(rank)
+
+    # ------------------------------------------------------------------ release
+
+    def release(self, context_id: int, forward: bool = True) -> DistAutogradContext | None:
+        """Drop the record of ``context_id`` here; tell the workers it reached."""
+        with self._lock:
+            ctx = self._contexts.pop(context_id, None)
+            if context_id >> _ID_BITS != self.rank:
+                self._tombstones[context_id] = None
+                while len(self._tombstones) > _TOMBSTONES_MAX:
+                    self._tombstones.pop(next(iter(self._tombstones)))
+        if ctx is not None and forward:
+            with ctx.lock:
+                known = sorted(ctx.known)
+            prev = ser.set_grad_context(None)  # a control message, in no context
+            try:
+                for rank in known:
+                    try:
+                        self.agent.notify(self.agent.get_worker_info(rank), _release_remote,
+                                          (context_id,))
+                    except Exception as exc:  # the worker is gone: nothing left to free
+                        log.debug("torchwire: release of autograd context %d on rank %d not "
+                                  "sent: %s", context_id, rank, exc)
+            finally:
+                ser.set_grad_context(prev)
+        return ctx
+
+    def debug_info(self) -> dict[str, int]:
+        with self._lock:
+            contexts = list(self._contexts.values())
+            tombstones = len(self._tombstones)
+        return {
+            "num_autograd_contexts": len(contexts),
+            "num_current_backward_passes": self.backward_passes,
+            "num_send_entries": sum(len(c.sends) for c in contexts),
+            "num_recv_functions": sum(c.recvs for c in contexts),
+            "num_tombstones": tombstones,
+        }
+
+
+_container: ContextContainer | None = None
+_container_lock = threading.Lock()
+
+
+def container() -> ContextContainer:
+    """This worker's container (a new one for each RPC agent).
+
+    Raises:
+        RpcStateError: RPC is not initialized.
+    """
+    from ..rpc import api
+    agent = api._require_agent()
+    c = _container
+    if c is None or c.agent is not agent:
+        c = _new_container(agent)
+    return c
+
+
+def _new_container(agent) -> ContextContainer:
+    global _container
+    with _container_lock:
+        c = _container
+        if c is None or c.agent is not agent:
+            c = _container = ContextContainer(agent)
+        return c
+
+
+def _release_remote(context_id: int) -> None:
+    """One-way message: the context ended on the worker that sent it here."""
+    container().release(context_id)

@@ -1,0 +1,152 @@
+"""Send/recv recording: how messages of a context carry it and stitch the graph.
+
+Installed into the serialization layer as its grad hook (``ser.set_grad_hook``):
+
+* A request sent by a thread that has a context ``C`` travels as
+  ``(_InContext(C, func), args, kwargs)``: the callee runs ``func`` with ``C`` as
+  its thread's context (so nested calls carry it too) and replies with
+  ``_Reply(C, result)``, whose pickling marks the reply as a message of ``C``.
+* A tensor that requires grad in a message of ``C`` is recorded as a *send
+  entry* ``(C, send id) -> tensor`` on the sender, and travels detached with the
+  tag ``(C, sender rank, send id)``.
+* The receiver passes it through :class:`_Recv`, a custom autograd Function that
+  also takes a per-process scalar *anchor* leaf (so the node is always on a path
+  to an input the local pass asks gradients for), and marks the received tensor
+  dirty: the tensor itself gets the recv node as its ``grad_fn``, no view.  In the
+  backward pass the node hands its gradient to the running local pass
+  (:mod:`._backward`), which sends it to the sender's send entry.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+from .. import _serialization as ser
+from .._future import Deferred, Future
+from ._context import container
+
+# The anchor: a leaf that every recv node takes as an input.  Local passes ask for
+# its gradient too, so the engine never prunes a recv node; it never gets one.
+_anchor = torch.zeros((), requires_grad=True)
+
+# The local pass running on this thread: (context id, {(src rank, send id): grad}).
+_pass = threading.local()
+
+
+class _Recv(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, anchor, t, tag):
+        ctx.mark_dirty(t)
+        ctx.tag = tag
+        return t
+
+    @staticmethod
+    def backward(ctx, grad):
+        running = getattr(_pass, "current", None)
+        tag = ctx.tag
+        if running is not None and running[0] == tag[0]:
+            out = running[1]
+            key = (tag[1], tag[2])
+            old = out.get(key)
+            out[key] = grad if old is None else old + grad
+        # else: a plain local backward() through a received tensor: stops here
+        return None, None, None
+
+
+def _rebuild_recv(context_id: int, src: int, send_id: int, t: torch.Tensor):
+    ctx = container().get_or_create(context_id)
+    with ctx.lock:
+        ctx.recvs += 1
+    if t._is_view():
+        # received tensors are views of the receive buffer; marking a view dirty would
+        # rebase its base's history instead.  detach(): same memory, not a view.
+        t = t.detach()
+    with torch.enable_grad():
+        return _Recv.apply(_anchor, t, (context_id, src, send_id))
+
+
+class _InContext:
+    """A request's function, run inside the caller's autograd context."""
+
+    def __init__(self, context_id: int, func) -> None:
+        self.context_id = context_id
+        self.func = func
+        # what the agent looks at: async marker and the name in error messages
+        if getattr(func, "_wrapped_async_rpc_function", None) is not None:
+            self._wrapped_async_rpc_function = func
+        self.__module__ = getattr(func, "__module__", None) or __name__
+        self.__qualname__ = (getattr(func, "__qualname__", None)
+                             or getattr(func, "__name__", None) or repr(func))
+
+    def __reduce__(self):
+        return _InContext, (self.context_id, self.func)
+
+    def __repr__(self) -> str:
+        return f"<{self.__qualname__} in autograd context {self.context_id}>"
+
+    def __call__(self, *args, **kwargs):
+        cid = self.context_id
+        container().get_or_create(cid)
+        prev = ser.set_grad_context(cid)
+        try:
+            result = self.func(*args, **kwargs)
+        finally:
+            ser.set_grad_context(prev)
+        if type(result) is Deferred:  # torchwire-internal (RRef) functions reply later
+            result = result.future
+        elif not isinstance(result, torch._C.Future) or \
+                getattr(self, "_wrapped_async_rpc_function", None) is None:
+            return _Reply(cid, result)
+        out = Future()
+
+        def done(f) -> None:
+            try:
+                out.set_result(_Reply(cid, f.value()))
+            except Exception as exc:
+                out.set_exception(exc)
+        torch._C.Future.add_done_callback(result, done)
+        return out if getattr(self, "_wrapped_async_rpc_function", None) is not None \
+            else Deferred(out)
+
+
+class _Reply:
+    """A reply of a request made in a context: pickled as its value, in the context."""
+
+    __slots__ = ("context_id", "value")
+
+    def __init__(self, context_id: int, value) -> None:
+        self.context_id = context_id
+        self.value = value
+
+    def __reduce__(self):
+        send = ser.current_send()
+        if send is not None:
+            send.grad_ctx = self.context_id
+        return _identity, (self.value,)
+
+
+def _identity(value):
+    return value
+
+
+class _GradHook:
+    """The serialization layer's view of distributed autograd (``ser.set_grad_hook``)."""
+
+    @staticmethod
+    def outgoing(send, call):
+        cid = ser.grad_context()
+        send.grad_ctx = cid
+        container().note_worker(cid, send.dest)
+        func, args, kwargs = call
+        return _InContext(cid, func), args, kwargs
+
+    @staticmethod
+    def reduce_tensor(send, t: torch.Tensor):
+        c = container()
+        sid = c.record_send(send.grad_ctx, t)
+        return _rebuild_recv, (send.grad_ctx, c.rank, sid, t.detach())
+
+
+ser.set_grad_hook(_GradHook())

@@ -1,0 +1,133 @@
+"""``DistributedOptimizer``: one local optimizer per worker that owns parameters.
+
+The constructor groups the parameter RRefs by owner and creates, with
+``rpc.remote``, one :class:`_LocalOptimizer` on each owner, holding the given
+``torch.optim`` class over that owner's parameters.  ``step(context_id)`` asks
+every owner at once to load the context's gradients into ``.grad`` of its
+parameters and step, and returns when all have.  Steps on one worker are
+serialized by one lock per worker (as torch does: concurrent trainers sharing
+parameters update them one at a time).
+"""
+
+from __future__ import annotations
+
+import threading
+
+
+from .. import _serialization as ser
+from .._rref import RRef
+from ..autograd import _context
+
+
+class _LocalOptimizer:
+    """An optimizer over the parameters this worker owns (lives on the owner)."""
+
+    # one lock for every local optimizer of the worker: torch's simplification (two
+    # optimizers on one worker are assumed to share parameters: trainers' replicas)
+    global_lock = threading.Lock()
+
+    def __init__(self, optimizer_class, params_rref, args, kwargs) -> None:
+        self._params = [r.local_value() for r in params_rref]
+        self.optim = optimizer_class(self._params, *args, **kwargs)
+
+    def step(self, context_id: int) -> None:
+        ctx = _context.container().find(context_id)
+        grads = {} if ctx is None else ctx.grads
+        with _LocalOptimizer.global_lock:
+            if ctx is not None:
+                with ctx.lock:
+                    grads = dict(grads)
+            for p in self._params:
+                p.grad = grads.get(p)
+            self.optim.step()
+
+    def __repr__(self) -> str:
+        return f"<_LocalOptimizer {type(self.optim).__name__} params={len(self._params)}>"
+
+
+def _local_step(opt_rref: RRef, context_id: int) -> None:
+    opt_rref.local_value().step(context_id)
+
+
+class DistributedOptimizer:
+    """Update parameters spread over workers with any ``torch.optim`` optimizer.
+
+    Args:
+        optimizer_class: a :class:`torch.optim.Optimizer` subclass, made on each
+            owner over its parameters.
+        params_rref: RRefs of the parameters to optimize (local or remote).
+        *args, **kwargs: passed to ``optimizer_class`` (``lr=...``).
+
+    Raises:
+        TypeError: ``params_rref`` is not a list of RRefs.
+        Exception: creating an optimizer on an owner failed (its error).
+
+    Example::
+
+        >>> with dist_autograd.context() as context_id:
+        ...     loss = model(inputs).sum()           # forward across workers
+        ...     dist_autograd.backward(context_id, [loss])
+        ...     opt.step(context_id)                 # opt = DistributedOptimizer(
+        ...                                          #   torch.optim.SGD, model_rrefs, lr=0.05)
+    """
+
+    def __init__(self, optimizer_class, params_rref, *args, **kwargs) -> None:
+        from ..rpc import api
+        params = list(params_rref)
+        if not all(isinstance(r, RRef) for r in params):
+            raise TypeError("DistributedOptimizer takes a list of parameter RRefs "
+                            "(torchwire.rpc.RRef(param) for local ones)")
+        by_owner: dict[int, list] = {}
+        for r in params:
+            by_owner.setdefault(r.owner().id, []).append(r)
+        prev = ser.set_grad_context(None)  # set-up traffic belongs to no context
+        try:
+            self.remote_optimizers = [
+                api.remote(owner, _LocalOptimizer, args=(optimizer_class, rrefs, args, kwargs))
+                for owner, rrefs in by_owner.items()]
+            for rref in self.remote_optimizers:
+                rref._get_future().wait()  # raises the owner's error
+        finally:
+            ser.set_grad_context(prev)
+        self.optimizer_class = optimizer_class
+
+    def __repr__(self) -> str:
+        owners = ", ".join(r.owner_name() for r in self.remote_optimizers)
+        return f"<DistributedOptimizer {self.optimizer_class.__name__} on {owners}>"
+
+    def step(self, context_id: int) -> None:
+        """One optimizer step on every owner, with the gradients of ``context_id``.
+
+        Steps run on all owners in parallel; returns when all have finished.
+
+        Raises:
+            RuntimeError: ``context_id`` is not a context of this worker ("Could not
+                find autograd context with id"); or a step failed (the first error).
+        """
+        from ..rpc import api
+        _context.container().get(context_id)
+        prev = ser.set_grad_context(None)
+        try:
+            futs = [api.rpc_async(r.owner(), _local_step, args=(r, context_id))
+                    for r in self.remote_optimizers if not r.is_owner()]
+        finally:
+            ser.set_grad_context(prev)
+        error = None
+        for r in self.remote_optimizers:
+            if r.is_owner():  # this worker's own step: here, while the others run
+                try:
+                    r.local_value().step(context_id)
+                except Exception as exc:
+                    error = error or exc
+        for fut in futs:
+            try:
+                fut.wait()
+            except Exception as exc:
+                error = error or exc
+        if error is not None:
+            raise error
+
+
+for _cls in (DistributedOptimizer,):
+    _cls.__module__ = "torchwire.optim"
+del _cls
