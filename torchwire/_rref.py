@@ -74,9 +74,9 @@ def _gid(i) -> str:
 def _require_ctx() -> RRefContext:
     ctx = _ctx
     if ctx is None:
-        raise RpcStateError("Current RPC agent is not set! RPC has not been initialized or "
-                            "has been shut down: RRefs need "
-                            "torchwire.rpc.init_rpc")
+        raise RpcStateError("Current RPC agent is not set! Did you initialize the RPC "
+                            "framework (torchwire.rpc.init_rpc)? RRefs need it, and it has "
+                            "not been initialized or has been shut down")
     return ctx
 
 

@@ -41,8 +41,8 @@ def _require_agent() -> RpcAgent:
     agent = _agent
     if agent is None or agent.state is AgentState.CLOSED:
         # "Current RPC agent is not set!" is torch's phrase
-        raise RpcStateError("Current RPC agent is not set! RPC has not been initialized or "
-                            "has been shut down: "
+        raise RpcStateError("Current RPC agent is not set! Did you initialize the RPC "
+                            "framework? RPC has not been initialized or has been shut down: "
                             "call torchwire.rpc.init_rpc first")
     return agent
 
