@@ -352,6 +352,27 @@ def test_one_timer_for_all_calls(world):
     assert during - before <= 2  # at most a new connection's reader, never a thread per call
 
 
+def body_wait_all_with_an_error():
+    futs = [rpc.rpc_async("worker1", add, args=(1, 1)),
+            rpc.rpc_async("worker1", raise_value_error, args=("second failed",)),
+            rpc.rpc_async("worker1", sleep_then, args=(0.5, 3))]
+    t0 = time.monotonic()
+    try:
+        torch.futures.wait_all(futs)
+    except ValueError as exc:
+        waited = time.monotonic() - t0
+        return str(exc).splitlines()[1], waited, [f.done() for f in futs]
+    return None
+
+
+def test_wait_all_raises_the_first_error_once_all_are_done(world):
+    # docs/compat.md, deliberate differences: torch stops at the first error; torchwire's
+    # futures (completed from Python) make torch's wait_all wait for all, then raise it.
+    message, waited, done = world.run(0, body_wait_all_with_an_error)
+    assert message == "ValueError(second failed)"
+    assert done == [True, True, True] and 0.3 < waited < 5
+
+
 # ---------------------------------------------------------------- threading
 
 def nested_back(to, depth):
