@@ -474,8 +474,8 @@ def test_options_validation():
         rpc.TensorPipeRpcBackendOptions(num_worker_threads=0)
     with pytest.raises(ValueError):
         rpc.TensorPipeRpcBackendOptions(rpc_timeout=-1)
-    with pytest.raises(ValueError, match="device maps"):
-        rpc.TensorPipeRpcBackendOptions(device_maps={"worker1": {0: 1}})
+    with pytest.raises(ValueError, match="only supports 1-to-1 mapping"):
+        rpc.TensorPipeRpcBackendOptions(device_maps={"worker1": {0: 1, 2: 1}})
     opts = rpc.TensorPipeRpcBackendOptions(num_worker_threads=4, rpc_timeout=5,
                                            init_method="tcp://127.0.0.1:1234")
     assert (opts.num_worker_threads, opts.rpc_timeout, opts.init_method) == (

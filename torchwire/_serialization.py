@@ -150,6 +150,23 @@ def _rebuild_strided(index: int, dtype: torch.dtype, shape: tuple, stride: tuple
     return _finish_tensor(t, requires_grad, cls)
 
 
+def _rebuild_on_device(index: int, dtype: torch.dtype, shape: tuple, requires_grad: bool,
+                       device: str):
+    raw: torch.Tensor = _tls.tensors[index]
+    t = (raw.view(dtype) if dtype is not torch.uint8 else raw).view(shape)
+    return _finish_tensor(t.to(device), requires_grad, None)
+
+
+# set by the agent when device maps are configured: (dest rank, is request, device) ->
+# target device or None
+_device_router = None
+
+
+def set_device_router(router) -> None:
+    global _device_router
+    _device_router = router
+
+
 def _finish_tensor(t: torch.Tensor, requires_grad: bool, cls: type | None):
     if cls is torch.nn.Parameter:
         return torch.nn.Parameter(t, requires_grad=requires_grad)
@@ -229,9 +246,7 @@ class _RpcPickler(pickle.Pickler):
             raise SerializationError(
                 f"tensors with layout {t.layout} are not supported; send t.to_dense()")
         if t.device.type != "cpu":
-            raise SerializationError(
-                f"tensor on device {t.device} cannot be sent without a device map; "
-                "move it to the CPU first")
+            return self._reduce_device_tensor(t)
         data = t.detach()
         if data.is_conj() or data.is_neg():
             # lazy conjugate / negative views: the bytes in memory are not the values
@@ -254,6 +269,26 @@ class _RpcPickler(pickle.Pickler):
         index = len(self.tensors)
         self.tensors.append(data)
         return _rebuild_tensor, (index, t.dtype, tuple(t.shape), t.requires_grad, cls)
+
+    def _reduce_device_tensor(self, t: torch.Tensor):
+        """A CUDA tensor: through host memory, onto the device the map names."""
+        send = current_send()
+        target = None
+        if send is not None and _device_router is not None:
+            target = _device_router(send.dest, send.request, t.device)
+        if target is None:
+            # torch's wording first: code ported from torch matches on it
+            raise SerializationError(
+                "TensorPipe RPC backend only supports CPU tensors by default, please move "
+                "your tensors to CPU before sending them over RPC, or call `set_device_map` "
+                "on `TensorPipeRpcBackendOptions` to explicitly configure device mapping. "
+                f"Found tensor on device: {t.device} (no device map to worker rank "
+                f"{send.dest if send is not None else '?'} covers it)")
+        data = t.detach().resolve_conj().resolve_neg().to("cpu").contiguous()
+        index = len(self.tensors)
+        self.tensors.append(data)
+        return _rebuild_on_device, (index, t.dtype, tuple(t.shape), t.requires_grad,
+                                    str(target))
 
     @staticmethod
     def _reduce_script_function(fn):

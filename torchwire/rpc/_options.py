@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 
+from .. import _devices
 from .._wire.frame import DEFAULT_MAX_MESSAGE_SIZE
 
 DEFAULT_RPC_TIMEOUT_SEC = 60.0
@@ -46,8 +47,11 @@ class TorchwireRpcBackendOptions(RpcBackendOptions):
         num_worker_threads: core threads of the pool that runs user functions (16).
         rpc_timeout: default timeout of every call, in seconds; 0 means no limit (60).
         init_method: ``env://``, ``tcp://host:port`` or ``file:///path`` ("env://").
-        device_maps, devices: accepted for compatibility; CUDA device maps are not
-            supported yet and a non-empty map is refused.
+        device_maps: ``{callee name: {local device: callee device}}`` (int, str or
+            ``torch.device``); CUDA tensors on a mapped device arrive on the mapped
+            device there (through host memory); replies use the inverse.  1-to-1,
+            checked at init against every worker's devices.  See ``set_device_map``.
+        devices: the local CUDA devices RPC uses (default: those of the maps).
         _transports: transports a connection may use, of ``"uds"`` (Unix socket, same
             host) and ``"tcp"``; ``None`` = all (Unix socket whenever the peer is on
             this host).  ``["tcp"]`` forces TCP, for tests and benchmarks.
@@ -88,14 +92,15 @@ class TorchwireRpcBackendOptions(RpcBackendOptions):
             raise ValueError("auth_secret must be a non-empty str or bytes")
         if not isinstance(handshake_timeout, (int, float)) or handshake_timeout <= 0:
             raise ValueError(f"handshake_timeout must be > 0 seconds, got {handshake_timeout!r}")
-        if device_maps or devices:
-            raise ValueError("CUDA device maps are not supported by this torchwire version; "
-                             "move tensors to the CPU before sending them")
         self.num_worker_threads = num_worker_threads
         self.rpc_timeout = float(rpc_timeout)
         self.init_method = init_method
-        self.device_maps = dict(device_maps or {})
-        self.devices = list(devices or [])
+        if device_maps is not None and not isinstance(device_maps, dict):
+            raise TypeError(f"device_maps must be a dict of worker name -> device map, got "
+                            f"{type(device_maps).__name__}")
+        self.device_maps = {name: _devices.to_device_map(m)
+                            for name, m in (device_maps or {}).items()}
+        self.devices = [_devices.to_device(d) for d in (devices or [])]
         self._transports = _transports
         self._channels = _channels
         self.max_message_size = int(max_message_size)
@@ -107,6 +112,22 @@ class TorchwireRpcBackendOptions(RpcBackendOptions):
         self.tls_keyfile = tls_keyfile
         self.tls_cafile = tls_cafile
         self.tls_check_hostname = tls_check_hostname
+
+    def set_device_map(self, to: str, device_map: dict) -> None:
+        """Map this worker's devices to ``to``'s: a tensor on a key device arrives on the
+        value device there, and replies come back through the inverse.  Must be 1-to-1;
+        merged with what is already set for ``to``.
+
+        Raises:
+            ValueError: the merged map is not 1-to-1.
+        """
+        merged = dict(self.device_maps.get(to, {}))
+        merged.update(_devices.to_device_map(device_map))
+        self.device_maps[to] = _devices.to_device_map(merged)
+
+    def set_devices(self, devices: list) -> None:
+        """The local CUDA devices RPC uses (by default: those of the device maps)."""
+        self.devices = [_devices.to_device(d) for d in devices]
 
     def __repr__(self) -> str:
         return (f"TorchwireRpcBackendOptions(num_worker_threads={self.num_worker_threads}, "

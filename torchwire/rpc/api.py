@@ -12,7 +12,8 @@ import time
 
 import torch
 
-from .. import _rref
+from .. import _devices, _rref
+from .. import _serialization as ser
 from .._agent import AgentState, RpcAgent
 from .._errors import RendezvousError, RpcStateError
 from .._future import Future
@@ -140,8 +141,12 @@ def init_rpc(name, backend=None, rank=-1, world_size=None, rpc_backend_options=N
             record = {"name": name, "rank": rank, "host": host_identity(),
                       "tcp": tcp, "unix": listener.unix_address,
                       "pid": os.getpid(), "cma": cma.probe_record(), "security": auth.record()}
+            record.update(_devices.encode(options.device_maps, options.devices))
             records, job = join(store, rank, world_size, record,
                                max(0.001, deadline - time.monotonic()))
+            _devices.check_all(records)  # the same data on every worker: the same error
+            router = _devices.Router(name, records)
+            ser.set_device_router(router.target if router else None)
             agent = RpcAgent(name, rank, world_size, options, store, store_host, listener,
                              records, auth.bind(job))
         except BaseException:
