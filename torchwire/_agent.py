@@ -210,8 +210,10 @@ class RpcAgent:
 
     # ------------------------------------------------------------------ calls
 
-    def call(self, to: WorkerInfo, func, args, kwargs, timeout: float) -> Future:
+    def call(self, to: WorkerInfo, func, args, kwargs, timeout: float, pin=None) -> Future:
         """Send a request; returns the future of its reply.
+
+        ``pin``: an object kept alive until the reply arrives (or the call fails).
 
         Raises (on the caller, before anything is sent):
             RpcStateError: the agent is shut down.
@@ -241,7 +243,8 @@ class RpcAgent:
         if timeout > 0:
             tick = self._timer.add(rid, time.monotonic() + timeout)
         # ``sent`` rides along: it pins what must stay alive until the reply (RRefs)
-        self._pending[rid] = (fut, tick, peer, conn, timeout, func, sent)
+        self._pending[rid] = (fut, tick, peer, conn, timeout, func,
+                              sent if pin is None else (sent, pin))
         try:
             conn.send_frame(F.K_REQUEST, 0, rid, payload, tensors)
         except ConnectionClosedError as exc:

@@ -165,6 +165,7 @@ class RRef:
 
     @classmethod
     def _new_owner(cls, ctx, entry: _Entry, creation=None) -> RRef:
+        ctx.adopt_local(entry)  # findable while this object holds it, forks or not
         r = cls.__new__(cls)
         r._init_owner(ctx, entry, creation)
         return r
@@ -249,8 +250,9 @@ class RRef:
         creation = self._creation
         if creation is not None and creation.done():
             self._get_future().wait()  # raises the creation error (remote failure, timeout)
+        # by id, this RRef pinned to the call: the owner needs no RRef object for it
         value = ctx.agent.call(ctx.agent.get_worker_info(self._owner), _rref_fetch,
-                               (self,), None, timeout).wait()
+                               (self._user.rref_id,), None, timeout, pin=self).wait()
         if creation is not None:
             # Only the remote() that made the value sets it, after registering this
             # fork: the value proves the owner knows of us (its reply may still be on
@@ -309,8 +311,9 @@ class RRef:
             fut = _type_of(self._entry.future)
         else:
             ctx = _require_ctx()
-            fut = ctx.agent.call(ctx.agent.get_worker_info(self._owner), _rref_type, (self,),
-                                 None, ctx.resolve_timeout(timeout))
+            fut = ctx.agent.call(ctx.agent.get_worker_info(self._owner), _rref_type,
+                                 (self._user.rref_id,), None, ctx.resolve_timeout(timeout),
+                                 pin=self)
 
         def keep(f):
             try:
@@ -427,7 +430,8 @@ class RRefContext:
             return {
                 "num_owner_rrefs": len(self._owned),
                 "num_forks": sum(len(e.forks) for e in self._owned.values()),
-                "num_live_values": len(self._live),
+                "num_live_values": len(self._owned) + sum(
+                    1 for k in list(self._live.keys()) if k not in self._owned),
                 "num_pending_users": sum(1 for s in self._users.values() if not s.confirmed),
                 "num_pending_children": len(self._children),
                 "num_user_rrefs": len(self._users),
@@ -446,7 +450,7 @@ class RRefContext:
             RuntimeError: the value was already deleted (every reference to it died).
         """
         with self._lock:
-            entry = self._live.get(rref_id)
+            entry = self._owned.get(rref_id) or self._live.get(rref_id)
             if entry is None:
                 if rref_id in self._deleted and not creating:
                     raise RuntimeError(f"RRef {_gid(rref_id)} owned by {self.agent.name} has "
@@ -464,9 +468,22 @@ class RRefContext:
             self._owned[entry.rref_id] = entry
             return True
 
+    def create_with_fork(self, rref_id: _Id, fork_id: _Id, holder: int) -> _Entry:
+        """``_remote_exec``: the entry (made now unless a fetch or fork made it first)
+        with the creator's fork.  Held by the fork only: no weak-table entry."""
+        with self._lock:
+            entry = self._owned.get(rref_id) or self._live.get(rref_id)
+            if entry is None:
+                self._deleted.pop(rref_id, None)
+                entry = _Entry(rref_id)
+            if self._dead_forks.pop(fork_id, None) is None:
+                entry.forks[fork_id] = holder
+                self._owned[rref_id] = entry
+            return entry
+
     def del_fork(self, rref_id, fork_id) -> None:
         with self._lock:
-            entry = self._live.get(rref_id)
+            entry = self._owned.get(rref_id)
             if entry is None or entry.forks.pop(fork_id, None) is None:
                 self._dead_forks[fork_id] = None
                 self._trim()
@@ -794,9 +811,10 @@ def _remote_exec(rref_id, fork_id, caller: int, func, args, kwargs):
     The reply (None, or the function's error as bytes) confirms the caller's fork.
     """
     ctx = _require_ctx()
-    entry = ctx.entry_for(rref_id, creating=True)
     if fork_id is not None:
-        ctx.add_fork(entry, fork_id, caller)
+        entry = ctx.create_with_fork(rref_id, fork_id, caller)
+    else:  # remote() to oneself: the caller's own RRef object holds the entry
+        entry = ctx.entry_for(rref_id, creating=True)
     try:
         value = func(*(args or ()), **(kwargs or {}))
         if type(value) is Deferred:  # a proxy call (rref.remote().method())
@@ -836,20 +854,27 @@ def _failed(ctx, entry: _Entry, exc: BaseException) -> bytes:
     return ser.dumps_exception(exc, ctx.agent._desc, "".join(traceback.format_exception(exc)))
 
 
-def _awaited(rref: RRef):
-    """The owner's value future of ``rref``; an entry still waiting for its value is
-    kept alive by the wait (it may have been made by this very message)."""
-    entry = rref._entry
+def _awaited(target):
+    """The owner's value future of ``target`` (an RRef or an rref id); an entry still
+    waiting for its value is kept alive by the wait (it may have been made by this
+    very message)."""
+    entry = _entry_of(target)
     fut = entry.future
     if not fut.done():
         fut.add_done_callback(lambda _f: entry)
     return fut
 
 
-def _rref_fetch(rref: RRef):
-    """Owner: the value of ``rref`` once it exists (``to_here``)."""
-    fut = rref._entry.future
-    return fut.value() if fut.done() else Deferred(_awaited(rref))
+def _entry_of(target) -> _Entry:
+    if isinstance(target, RRef):
+        return target._entry
+    return _require_ctx().entry_for(target)
+
+
+def _rref_fetch(target):
+    """Owner: the value of ``target`` (an rref id or RRef) once it exists (``to_here``)."""
+    fut = _entry_of(target).future
+    return fut.value() if fut.done() else Deferred(_awaited(target))
 
 
 def _type_of(value_future) -> Future:
@@ -865,8 +890,8 @@ def _type_of(value_future) -> Future:
     return out
 
 
-def _rref_type(rref: RRef):
-    return Deferred(_type_of(_awaited(rref)))
+def _rref_type(target):
+    return Deferred(_type_of(_awaited(target)))
 
 
 def _proxy_invoke(rref: RRef, name: str, args, kwargs):
