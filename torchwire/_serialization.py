@@ -122,9 +122,12 @@ _MAX_SPAN_RATIO = 4
 
 
 def _rebuild_plain(index: int, dtype: torch.dtype, shape: tuple):
-    """Rebuild for the fast path of ``_reduce_tensor``: two torch calls."""
+    """Rebuild for the fast path of ``_reduce_tensor``: one or two torch calls (each
+    costs microseconds with cold caches, as between messages)."""
     raw: torch.Tensor = _tls.tensors[index]
-    t = (raw.view(dtype) if dtype is not torch.uint8 else raw).view(shape)
+    t = raw.view(dtype) if dtype is not torch.uint8 else raw
+    if len(shape) != 1:  # a 1-D tensor already has its shape: raw is 1-D
+        t = t.view(shape)
     hook = getattr(_tls, "recv_hook", None)
     return hook(t) if hook is not None else t
 
