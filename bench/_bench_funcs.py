@@ -51,3 +51,20 @@ def mp_forward(module_rref, *args):
 def mp_param_rrefs(module_rref):
     rref_cls = type(module_rref)  # the library's RRef: torch's or torchwire's
     return [rref_cls(p) for p in module_rref.local_value().parameters()]
+
+
+def rss_mib():
+    """(current RSS, peak RSS since the last reset) of this process, in MiB."""
+    fields = {}
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(("VmRSS:", "VmHWM:")):
+                key, value = line.split(":", 1)
+                fields[key] = int(value.split()[0]) / 1024
+    return fields["VmRSS"], fields["VmHWM"]
+
+
+def reset_peak_rss():
+    """Make VmHWM start again from the current RSS (Linux: clear_refs 5)."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")

@@ -34,6 +34,7 @@ ECHO_SIZES = [
     ("16MiB", 16 << 20),
     ("64MiB", 64 << 20),
     ("256MiB", 256 << 20),
+    ("1GiB", 1 << 30),
 ]
 
 
@@ -192,9 +193,15 @@ def _run_metrics(rpc, cfg, q):
            n=n_async)
 
     # 5. tensor echo bandwidth ------------------------------------------------
+    from _bench_funcs import reset_peak_rss, rss_mib
+
     for label, nbytes in ECHO_SIZES:
         iters = cfg["echo_iters"][label]
-        x = torch.randn(nbytes // 4)
+        x = torch.empty(nbytes // 4).uniform_()
+        if label == "1GiB":  # peak RSS of both processes during this echo, above idle
+            idle = (rss_mib()[0], rpc.rpc_sync("worker1", rss_mib)[0])
+            reset_peak_rss()
+            rpc.rpc_sync("worker1", reset_peak_rss)
         for _ in range(cfg["echo_warmup"]):
             y = rpc.rpc_sync("worker1", echo, args=(x,))
         if not (isinstance(y, torch.Tensor) and y.shape == x.shape and torch.equal(y, x)):
@@ -212,6 +219,10 @@ def _run_metrics(rpc, cfg, q):
         med = _median(times)
         metric(f"echo_{label}_GBps", 2 * nbytes / med / 1e9, iters=iters,
                median_s=med, times_s=[round(t, 6) for t in times])
+        if label == "1GiB":
+            peak = (rss_mib()[1], rpc.rpc_sync("worker1", rss_mib)[1])
+            metric("echo_1GiB_caller_peak_rss_MiB", peak[0] - idle[0], idle=idle[0])
+            metric("echo_1GiB_callee_peak_rss_MiB", peak[1] - idle[1], idle=idle[1])
         del x
 
 
