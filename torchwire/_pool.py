@@ -32,7 +32,8 @@ class WorkerPool:
             raise ValueError(f"num_worker_threads must be >= 1, got {num_threads}")
         self._core = num_threads
         self._name = name
-        self._cond = threading.Condition(threading.Lock())
+        self._lock = threading.Lock()  # `with self._lock` on hot paths (C-level enter)
+        self._cond = threading.Condition(self._lock)
         self._queue: collections.deque = collections.deque()
         self._idle = 0
         self._threads = 0
@@ -46,7 +47,7 @@ class WorkerPool:
                 f"blocked={self._blocked} queued={len(self._queue)}>")
 
     def submit(self, fn, *args) -> None:
-        with self._cond:
+        with self._lock:
             if self._stopping and self._threads == 0:
                 raise RuntimeError("pool is shut down")
             self._queue.append((fn, args))
@@ -54,7 +55,7 @@ class WorkerPool:
 
     def submit_many(self, items) -> None:
         """Queue ``(fn, args)`` pairs with one lock round-trip."""
-        with self._cond:
+        with self._lock:
             self._queue.extend(items)
             self._wake_locked(len(items))
 
@@ -76,21 +77,21 @@ class WorkerPool:
     @contextlib.contextmanager
     def blocking(self):
         """Declare that the calling pool thread is about to block on a remote result."""
-        with self._cond:
+        with self._lock:
             self._blocked += 1
             if self._queue:
                 self._wake_locked(0)
         try:
             yield
         finally:
-            with self._cond:
+            with self._lock:
                 self._blocked -= 1
 
     def _run(self) -> None:
         _threads.set_current_pool(self)
-        cond, queue = self._cond, self._queue
+        cond, queue, lock = self._cond, self._queue, self._lock
         while True:
-            with cond:
+            with lock:
                 while not queue:
                     if self._stopping:
                         self._threads -= 1

@@ -26,7 +26,10 @@ class DeadlineTimer:
 
     def __init__(self, on_expire, name: str = "torchwire-timer") -> None:
         self._on_expire = on_expire
-        self._cond = threading.Condition(threading.Lock())
+        # One lock; `with self._lock` (C) on the hot paths, the condition only to wait
+        # and notify (Condition.__enter__ is a Python-level call).
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)
         self._buckets: dict[int, set] = {}
         self._heap: list[int] = []
         self._sleep_until = math.inf
@@ -37,7 +40,7 @@ class DeadlineTimer:
     def add(self, key, deadline: float) -> int:
         """Register ``key`` to expire at monotonic time ``deadline``; returns its bucket."""
         tick = math.ceil(deadline / GRANULARITY)
-        with self._cond:
+        with self._lock:
             bucket = self._buckets.get(tick)
             if bucket is None:
                 bucket = self._buckets[tick] = set()
@@ -48,7 +51,7 @@ class DeadlineTimer:
         return tick
 
     def cancel(self, key, tick: int) -> None:
-        with self._cond:
+        with self._lock:
             bucket = self._buckets.get(tick)
             if bucket is not None:
                 bucket.discard(key)
