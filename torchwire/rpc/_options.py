@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 
+from .._liveness import DEFAULT_HEARTBEAT_INTERVAL, DEFAULT_HEARTBEAT_TIMEOUT
 from .._wire.frame import DEFAULT_MAX_MESSAGE_SIZE
 
 DEFAULT_RPC_TIMEOUT_SEC = 60.0
@@ -68,6 +69,11 @@ class TorchwireRpcBackendOptions(RpcBackendOptions):
             over the Unix socket (same host) stay plain.
         tls_check_hostname: whether a worker's certificate must name the address it
             listens on (True).
+        heartbeat_interval: seconds a connection may stay idle before this worker pings
+            its peer (1.0); busy connections are never pinged.  0 turns the heartbeat off.
+        heartbeat_timeout: seconds without a sign of life on a connection after which its
+            peer counts as frozen or unreachable: calls pending on it fail with
+            ``WorkerUnavailableError`` and graceful shutdown stops waiting for it (10.0).
     """
 
     def __init__(self, *, num_worker_threads: int = DEFAULT_NUM_WORKER_THREADS,
@@ -78,7 +84,9 @@ class TorchwireRpcBackendOptions(RpcBackendOptions):
                  listen_addr: str | None = None, init_timeout: float | None = None,
                  auth_secret: str | bytes | None = None, handshake_timeout: float = 10.0,
                  tls_certfile: str | None = None, tls_keyfile: str | None = None,
-                 tls_cafile: str | None = None, tls_check_hostname: bool = True) -> None:
+                 tls_cafile: str | None = None, tls_check_hostname: bool = True,
+                 heartbeat_interval: float = DEFAULT_HEARTBEAT_INTERVAL,
+                 heartbeat_timeout: float = DEFAULT_HEARTBEAT_TIMEOUT) -> None:
         if not isinstance(num_worker_threads, int) or num_worker_threads < 1:
             raise ValueError(
                 f"num_worker_threads must be a positive int, got {num_worker_threads!r}")
@@ -88,6 +96,13 @@ class TorchwireRpcBackendOptions(RpcBackendOptions):
             raise ValueError("auth_secret must be a non-empty str or bytes")
         if not isinstance(handshake_timeout, (int, float)) or handshake_timeout <= 0:
             raise ValueError(f"handshake_timeout must be > 0 seconds, got {handshake_timeout!r}")
+        for what, v in (("heartbeat_interval", heartbeat_interval),
+                        ("heartbeat_timeout", heartbeat_timeout)):
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0:
+                raise ValueError(f"{what} must be >= 0 seconds, got {v!r}")
+        if heartbeat_interval and heartbeat_timeout <= heartbeat_interval:
+            raise ValueError(f"heartbeat_timeout ({heartbeat_timeout}) must be longer than "
+                             f"heartbeat_interval ({heartbeat_interval})")
         if device_maps or devices:
             raise ValueError("CUDA device maps are not supported by this torchwire version; "
                              "move tensors to the CPU before sending them")
@@ -107,6 +122,8 @@ class TorchwireRpcBackendOptions(RpcBackendOptions):
         self.tls_keyfile = tls_keyfile
         self.tls_cafile = tls_cafile
         self.tls_check_hostname = tls_check_hostname
+        self.heartbeat_interval = float(heartbeat_interval)
+        self.heartbeat_timeout = float(heartbeat_timeout)
 
     def __repr__(self) -> str:
         return (f"TorchwireRpcBackendOptions(num_worker_threads={self.num_worker_threads}, "
