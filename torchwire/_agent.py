@@ -14,17 +14,27 @@ Threads:
     * accept (one per listening socket) + one short-lived handshake thread per
       accepted connection (authentication: ``_wire/auth.py``), which then becomes
       that connection's reader.
+    * liveness (``_liveness.py``): the heartbeat on idle connections, and
+      reconnection of peers that were cut off.  Never blocks on a write.
 
 Graceful shutdown (store-based termination detection)::
 
     DRAINING:  round r = 0, 1, ...
                  wait until this worker has no pending outgoing call
                  publish "sd/<r>/<rank>" = requests sent, requests received
-                 wait for every rank's round-r record
+                   (and, once some worker is down, the counts per peer)
+                 wait for every rank's round-r record, except from ranks that
+                   are gone (down, found dead, or already left)
                  stop when totals balance (sent == received) and equal the
                  previous round's: no request is in flight or being served
-    EXIT:      add(1) to "sd/exit"; rank 0 (which may host the store) waits
-               until every rank has counted, then all close their sockets.
+                 (with ranks gone: per pair of workers that reach each other)
+    EXIT:      set "sd/exit/<rank>"; rank 0 (which may host the store) waits
+               until every rank that is not gone has, then all close their sockets.
+
+Failures (DESIGN.md, "Failure model"): a connection lost outside an orderly
+close, a connection that cannot be made or a silent heartbeat marks the peer
+down (``_peer_lost``): calls pending on it fail with ``WorkerUnavailableError``
+naming it, new calls to it fail at once, plugins hear ``peer_lost``.
 """
 
 from __future__ import annotations
@@ -45,6 +55,7 @@ from . import _threads
 from ._errors import (ConnectionClosedError, RpcStateError, RpcTimeoutError,
                       SerializationError, WorkerUnavailableError)
 from ._future import Deferred, Future, set_dispatcher
+from ._liveness import DEFAULT_HEARTBEAT_INTERVAL, DEFAULT_HEARTBEAT_TIMEOUT, PeerHealth
 from ._pool import WorkerPool
 from ._timer import DeadlineTimer
 from ._wire import cma
@@ -134,6 +145,9 @@ class RpcAgent:
         self._stats_lock = threading.Lock()
         self._sent = 0
         self._received = 0
+        # per peer, for termination detection without the peers that are gone
+        self._sent_to = [0] * world_size
+        self._recv_from = [0] * world_size
         self._idle = threading.Condition(threading.Lock())
         self._draining = False
         self._incoming: set = set()
@@ -141,6 +155,9 @@ class RpcAgent:
         self._conn_lock = threading.Lock()
         self._pool = WorkerPool(options.num_worker_threads, name=f"torchwire-{name}")
         self._timer = DeadlineTimer(self._expire)
+        self._health = PeerHealth(
+            self, getattr(options, "heartbeat_interval", DEFAULT_HEARTBEAT_INTERVAL),
+            getattr(options, "heartbeat_timeout", DEFAULT_HEARTBEAT_TIMEOUT))
         set_dispatcher(self._pool.submit)
         self._desc = repr(self.info)
         channels = getattr(options, "_channels", None)
@@ -173,6 +190,7 @@ class RpcAgent:
 
     def start(self) -> None:
         self._listener.set_handler(self._on_accept)
+        self._health.start()
 
     def add_plugin(self, plugin) -> None:
         """Attach a layer above the agent (RRefs) to shutdown.
@@ -180,7 +198,8 @@ class RpcAgent:
         ``plugin`` has ``settle(deadline)`` (send everything queued and wait for it;
         called before each termination-detection round), ``idle() -> bool``,
         ``all_arrived()`` (every worker has entered graceful shutdown) and
-        ``close()`` (the agent is closed).
+        ``close()`` (the agent is closed); optionally ``peer_lost(rank, error)``
+        (that worker is gone or cut off; called once per loss, on a pool thread).
         """
         self._plugins.append(plugin)
 
@@ -254,6 +273,7 @@ class RpcAgent:
             return fut
         with self._stats_lock:
             self._sent += 1
+            self._sent_to[peer] += 1
         return fut
 
     def notify(self, to: WorkerInfo, func, args) -> None:
@@ -276,12 +296,14 @@ class RpcAgent:
             raise
         with self._stats_lock:
             self._sent += 1
+            self._sent_to[to.id] += 1
 
     def _connection_to(self, rank: int):
         peer = self._peers[rank]
         conn = peer.out
         if conn is not None and not conn.closed:
             return conn
+        self._health.check(rank)  # a peer known to be down fails at once, unlocked
         with peer.lock:
             conn = peer.out
             if conn is not None and not conn.closed:
@@ -291,9 +313,28 @@ class RpcAgent:
             if rank == self.rank:
                 conn = LoopbackConnection(self, rank)
             else:
-                conn = self._connect(peer)
+                self._health.check(rank)
+                try:
+                    conn = self._connect(peer)
+                except WorkerUnavailableError as exc:
+                    self._peer_lost(rank, *self._health.connect_failed(rank, exc))
+                    raise
             peer.out = conn
         return conn
+
+    def _reconnect(self, rank: int) -> None:
+        """Liveness thread: try to reach a peer that is down again (see _liveness.py).
+
+        Raises:
+            WorkerUnavailableError: it is still out of reach.
+        """
+        peer = self._peers[rank]
+        with peer.lock:  # callers do not wait on it: they see the peer down first
+            if self.state is AgentState.CLOSED:
+                return
+            if peer.out is None or peer.out.closed:
+                peer.out = self._connect(peer)
+        self._health.mark_up(rank)
 
     def _connect(self, peer: _Peer) -> Connection:
         rec = peer.record
@@ -379,6 +420,7 @@ class RpcAgent:
             _kind, _flags, rid, payload, tensors = frames[0]
             with self._stats_lock:
                 self._received += 1
+                self._recv_from[conn.peer_rank] += 1
             return lambda: self._serve(conn, rid, payload, tensors)
         work = []
         for kind, flags, rid, payload, tensors in frames:
@@ -393,6 +435,7 @@ class RpcAgent:
         if work:
             with self._stats_lock:
                 self._received += len(work)
+                self._recv_from[conn.peer_rank] += len(work)
             self._pool.submit_many(work)
         return None
 
@@ -535,6 +578,7 @@ class RpcAgent:
             if self.state is AgentState.CLOSED:
                 conn.close()
             self._incoming.add(conn)
+        self._health.mark_up(rank)
         return conn._read_loop
 
     def _on_close(self, conn, exc) -> None:
@@ -557,6 +601,46 @@ class RpcAgent:
         if exc is not None and self.state is AgentState.RUNNING and not conn.goodbye_received:
             log.warning("torchwire: %s lost its connection to %s: %s", self.name,
                         peer.info.name, exc)
+        if exc is not None and not conn.goodbye_received:
+            # Outside an orderly close, a lost connection means a lost peer (DESIGN.md).
+            self._peer_lost(conn.peer_rank, f"connection lost ({exc})")
+
+    def _peer_lost(self, rank: int, why: str, dead: bool = False) -> None:
+        """``rank`` is gone or cut off: remember it (new calls fail at once), close every
+        connection with it, fail every call pending on it, and tell the plugins once.
+
+        Called from readers, the liveness thread and callers whose connect failed.
+        """
+        if rank == self.rank or self.state is AgentState.CLOSED:
+            return
+        first = self._health.mark_down(rank, why, dead)
+        err = self._unavailable(rank, why)
+        with self._conn_lock:
+            conns = [c for c in self._incoming if c.peer_rank == rank]
+        out = self._peers[rank].out  # not under peer.lock: a connect may hold it
+        if out is not None:
+            conns.append(out)
+        for c in conns:
+            c.close(err)
+        for rid in [rid for rid, e in list(self._pending.items()) if e[2] == rank]:
+            self._fail(rid, err)
+        if not first:
+            return
+        log.warning("torchwire: %s lost worker %s: %s", self.name,
+                    self._peers[rank].info.name, why)
+        for p in self._plugins:
+            hook = getattr(p, "peer_lost", None)
+            if hook is not None:
+                try:
+                    self._pool.submit(hook, rank, err)
+                except RuntimeError:
+                    pass  # the pool is shut down: so is everything the hook would fix
+
+    def _open_connections(self) -> list:
+        """Every socket connection, in and out (for the heartbeat)."""
+        with self._conn_lock:
+            conns = list(self._incoming)
+        return conns + [p.out for p in self._peers if isinstance(p.out, Connection)]
 
     # ------------------------------------------------------------------ shutdown
 
@@ -593,30 +677,51 @@ class RpcAgent:
     def _drain(self, deadline: float) -> None:
         store, world = self.store, self.world_size
         previous = None
+        full = False  # publish per-peer counts (some worker is gone or cut off)
         for r in itertools.count():
             self._settle(deadline)
-            with self._stats_lock:
-                mine = f"{self._sent},{self._received}"
             keys = [f"sd/{r}/{k}" for k in range(world)]
             try:
-                store.set(keys[self.rank], mine)
+                store.set(keys[self.rank], self._shutdown_record(full))
             except Exception as exc:
                 raise RpcTimeoutError(f"graceful shutdown of {self.name} failed: the "
                                       f"rendezvous store is gone ({exc})") from exc
-            values = self._gather(keys, deadline)
-            counts = [tuple(int(x) for x in v.decode().split(",")) for v in values]
-            sent = sum(c[0] for c in counts)
-            recv = sum(c[1] for c in counts)
-            if sent == recv and counts == previous:
+            records = {k: v.decode() for k, v in self._gather(keys, deadline).items()}
+            balanced = _balanced(records, world)
+            if balanced is None:
+                full = True
+            state = sorted(records.items())
+            if balanced and state == previous:
                 break
             if r == 0:
                 for p in self._plugins:
                     p.all_arrived()
-            previous = counts
+            previous = state
         # Exit barrier: rank 0 may host the store, so it leaves last.
         store.set(f"sd/exit/{self.rank}", "1")
         if self.rank == 0:
             self._gather([f"sd/exit/{k}" for k in range(world)], deadline)
+        gone = sorted(set(range(world)) - set(records))
+        if gone:
+            names = ", ".join(self._peers[k].info.name for k in gone)
+            log.warning("torchwire: %s shut down gracefully without worker(s) %s (gone or "
+                        "cut off)", self.name, names)
+
+    def _shutdown_record(self, full: bool) -> str:
+        """This worker's termination-detection record: ``"sent,received"``, then, when a
+        peer is or was down (or ``full``), ``";s:r s:r ...;down,ranks"`` per peer.
+
+        A peer that was down and came back stays listed: what was in flight to it
+        when the link broke is lost, so that pair's counts can never balance; only
+        the calls still pending (on both sides) guard its traffic then.
+        """
+        down = sorted(set(self._health.down()) | self._health.ever_down)
+        with self._stats_lock:
+            head = f"{self._sent},{self._received}"
+            if not (full or down):
+                return head
+            vec = " ".join(f"{s}:{r}" for s, r in zip(self._sent_to, self._recv_from))
+        return f"{head};{vec};{','.join(map(str, down))}"
 
     def _settle(self, deadline: float) -> None:
         """Wait until no call is pending and no plugin has control messages to send."""
@@ -630,12 +735,18 @@ class RpcAgent:
             if all(p.idle() for p in self._plugins):
                 return
 
-    def _gather(self, keys: list[str], deadline: float) -> list[bytes]:
-        """Wait for one key per rank; between waits, check that missing ranks are alive.
+    def _gather(self, keys: list[str], deadline: float) -> dict[int, bytes]:
+        """Wait for one key per rank, except from ranks that are gone; between waits,
+        check that missing ranks are alive.
+
+        A rank is gone when it is down (see _liveness.py), found dead now, or has
+        already left (its exit key is set).
+
+        Returns:
+            ``{rank: value}`` for the ranks that are not gone.
 
         Raises:
-            RpcTimeoutError: ``deadline`` passed, a missing worker is dead, or the
-                store is gone.
+            RpcTimeoutError: ``deadline`` passed or the store is gone.
         """
         store = self.store
         next_probe = time.monotonic() + _LIVENESS_PERIOD
@@ -643,28 +754,47 @@ class RpcAgent:
         while True:
             try:
                 missing = [k for k, key in enumerate(keys) if not store.check([key])]
-                if not missing:
-                    return store.multi_get(keys)
+                waiting = [k for k in missing if not self._health.is_down(k)
+                           and not store.check([f"sd/exit/{k}"])]
+                if not waiting:
+                    present = [k for k in range(len(keys)) if k not in missing]
+                    return dict(zip(present, store.multi_get([keys[k] for k in present])))
             except Exception as exc:
                 raise RpcTimeoutError(f"graceful shutdown of {self.name} failed: the "
                                       f"rendezvous store is gone ({exc})") from exc
             now = time.monotonic()
             if now >= deadline:
+                names = ", ".join(self._peers[k].info.name for k in waiting)
                 raise RpcTimeoutError(
                     f"graceful shutdown of {self.name} timed out waiting for the other "
-                    "workers to call shutdown()")
+                    f"workers to call shutdown() (still waiting for {names})")
             if now >= next_probe:
-                next_probe = now + _LIVENESS_PERIOD
-                dead = [k for k in missing if k != self.rank and not self._probe(k)]
-                if dead:
-                    names = ", ".join(self._peers[k].info.name for k in dead)
-                    raise RpcTimeoutError(
-                        f"graceful shutdown of {self.name} cannot wait for worker(s) {names}: "
-                        "they are gone")
+                for k in waiting:
+                    if k != self.rank:
+                        self._alive(k)  # marks it down if it is not
+                next_probe = time.monotonic() + _LIVENESS_PERIOD
+                continue
             # Polling the store (rather than store.wait) keeps torch's C++ layer from
             # logging a timeout warning on every liveness period.
             time.sleep(min(delay, max(0.0, deadline - now)))
             delay = min(delay * 2, 0.02)
+
+    def _alive(self, rank: int) -> bool:
+        """Shutdown waits for ``rank``: is it alive?  With the heartbeat on, a connection
+        to it settles that (a frozen peer falls silent on it); else a dead listener."""
+        if self._health.is_down(rank):
+            return False
+        if self._health.timeout > 0:
+            try:
+                self._connection_to(rank)
+            except (WorkerUnavailableError, RpcStateError):
+                return False
+            return True
+        if self._probe(rank):
+            return True
+        self._peer_lost(rank, "its listener refused the connection (the process is gone)",
+                        dead=True)
+        return False
 
     def _probe(self, rank: int) -> bool:
         """Is ``rank``'s listener still there?  (A dead process refuses connections.)"""
@@ -697,6 +827,7 @@ class RpcAgent:
         for c in conns:
             c.join(2.0)
         self._timer.stop()
+        self._health.stop()
         err = RpcStateError("RPC agent is shut down before the call completed")
         for rid in list(self._pending):
             self._fail(rid, err)
@@ -706,6 +837,35 @@ class RpcAgent:
             except Exception:
                 log.exception("torchwire: closing %r failed", p)
         self._pool.shutdown(5.0)
+
+
+def _balanced(records: dict[int, str], world: int) -> bool | None:
+    """Do the shutdown records show every request received?  None: cannot tell yet
+    (a worker is gone and some record lacks per-peer counts: publish them).
+
+    With every worker there and none down, the totals must balance.  Otherwise
+    each pair of workers that still reach each other must: what i sent to j is
+    what j received from i; traffic with the gone and the cut off is left out.
+    """
+    parsed = {}
+    for k, v in records.items():
+        parts = v.split(";")
+        sent, recv = (int(x) for x in parts[0].split(","))
+        if len(parts) == 1:
+            parsed[k] = (sent, recv, None, frozenset())
+        else:
+            vec = [tuple(int(x) for x in p.split(":")) for p in parts[1].split()]
+            down = frozenset(int(x) for x in parts[2].split(",") if x)
+            parsed[k] = (sent, recv, vec, down)
+    if len(parsed) == world and not any(p[3] for p in parsed.values()):
+        return sum(p[0] for p in parsed.values()) == sum(p[1] for p in parsed.values())
+    if any(p[2] is None for p in parsed.values()):
+        return None
+    for i, (_s, _r, vec_i, down_i) in parsed.items():
+        for j, (_s, _r, vec_j, down_j) in parsed.items():
+            if j not in down_i and i not in down_j and vec_i[j][0] != vec_j[i][1]:
+                return False
+    return True
 
 
 def _unknown(what: str):

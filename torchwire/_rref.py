@@ -403,6 +403,7 @@ class RRefContext:
         self._deleted: dict[_Id, None] = {}  # rref ids freed for good
         self._dead_forks: dict[_Id, None] = {}  # deleted before registered
         self._children: dict[_Id, RRef] = {}  # forks sent, not yet accepted
+        self._child_dest: dict[_Id, int] = {}  # fork id -> the rank it was sent to
         self._users: dict[_Id, _UserState] = {}  # live user forks
         self.events: queue.SimpleQueue = queue.SimpleQueue()
         self._urgent = threading.Event()  # a fork waits: do not linger before the next batch
@@ -536,6 +537,7 @@ class RRefContext:
         fork_id = self.new_id()
         with self._lock:
             self._children[fork_id] = rref
+            self._child_dest[fork_id] = dest
         sent.undo.append(lambda: self._drop_child(fork_id))
         return _rebuild_rref, (state.owner, state.rref_id, fork_id, self.rank, False)
 
@@ -561,6 +563,7 @@ class RRefContext:
     def _drop_child(self, fork_id) -> None:
         with self._lock:
             rref = self._children.pop(fork_id, None)
+            self._child_dest.pop(fork_id, None)
         del rref  # outside the lock: may be the last reference
 
     # remote() ---------------------------------------------------------------------
@@ -732,6 +735,34 @@ class RRefContext:
             if time.monotonic() >= deadline:
                 return  # the agent's own wait reports the timeout
             time.sleep(0.001)
+
+    def peer_lost(self, rank: int, error: BaseException) -> None:
+        """The agent lost ``rank`` (see RpcAgent.add_plugin): nothing it held or owned
+        can be settled with it any more.
+
+        * forks it held of values owned here are released (G1 cannot hold: its
+          deletions will never come);
+        * user RRefs it owns are forgotten here (no deletion to send); using one
+          still raises the agent's ``WorkerUnavailableError`` naming it;
+        * children forks sent to it, or of values it owns, are dropped (their
+          "accept" will never come).
+        """
+        forks = self.forks_of(rank)
+        for rref_id, fork_id in forks:
+            self.del_fork(rref_id, fork_id)
+        with self._lock:
+            users = [s for s in self._users.values() if s.owner == rank]
+            children = [f for f, d in self._child_dest.items() if d == rank]
+            children += [f for f, r in self._children.items()
+                         if r._user is not None and r._user.owner == rank]
+        for state in users:
+            self.events.put(("lost", state))
+            _open_gate(state)
+        for fork_id in children:
+            self._drop_child(fork_id)
+        log.debug("torchwire: rank %d lost (%s): released %d forks it held, forgot %d user "
+                  "RRefs it owns, dropped %d children", rank, error, len(forks), len(users),
+                  len(children))
 
     def all_arrived(self) -> None:
         """Every worker is shutting down: delete every user RRef (torch does the same)."""

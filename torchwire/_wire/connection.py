@@ -77,6 +77,10 @@ class Connection:
         self._cma_hold: dict[int, list] = {}
         self._cma_tokens = 0
         self.frames_in = 0
+        # Liveness evidence for the heartbeat (see _liveness.py): heartbeat frames
+        # received, and reads of large frames still in progress.
+        self.heartbeats_in = 0
+        self.progress_in = 0
         self.frames_out = 0
         self.bytes_in = 0
         self.bytes_out = 0
@@ -137,6 +141,15 @@ class Connection:
         parts.extend(r for r in refs if len(r))
         size = F.HEADER_SIZE + 8 * len(lens) + len(payload) + sum(lens)
         self._enqueue(parts, tensors, size, token)
+
+    def send_control(self, op: int) -> None:
+        """Send a heartbeat frame (``frame.CTRL_PING`` or ``CTRL_PONG``); a closed
+        connection is not an error here (its reader reports the loss)."""
+        try:
+            self._enqueue([F.HEADER.pack(F.MAGIC, F.VERSION, F.K_CONTROL, 0, op, 0, 0, 0)],
+                          (), F.HEADER_SIZE, 0)
+        except ConnectionClosedError:
+            pass
 
     def send_release(self, token: int) -> None:
         """Tell the peer we have read the buffers of ``token`` (it may free them)."""
@@ -270,6 +283,7 @@ class Connection:
                 if not got:
                     raise EOFError(f"rank {self.peer_rank} closed the connection mid-frame")
                 off += got
+                self.progress_in += 1  # a long transfer is not a silent peer
 
         while True:
             if end - start < header_size:
@@ -277,7 +291,7 @@ class Connection:
             m, ver, kind, flags, rid, plen, nbufs, _ = unpack_header(buf, start)
             if m != magic or ver != version:
                 F.decode_header(mv[start:start + header_size], maxsize)  # raises the precise error
-            if kind > F.K_RELEASE or kind < F.K_HELLO:
+            if kind > F.K_CHALLENGE or kind < F.K_HELLO:
                 raise ProtocolError(f"unknown frame kind {kind}")
             if plen > maxsize or nbufs > F.MAX_BUFFERS:
                 F.decode_header(mv[start:start + header_size], maxsize)
@@ -333,6 +347,11 @@ class Connection:
             if kind == F.K_RELEASE:
                 with self._qlock:
                     self._cma_hold.pop(rid, None)
+                continue
+            if kind == F.K_CONTROL and (rid == F.CTRL_PING or rid == F.CTRL_PONG):
+                self.heartbeats_in += 1
+                if rid == F.CTRL_PING:
+                    self._defer(self.send_control, F.CTRL_PONG)
                 continue
             self.frames_in += 1
             self.bytes_in += header_size + 8 * nbufs + plen + sum(n & ~F.REMOTE_BIT for n in lens)

@@ -26,7 +26,8 @@ from .._errors import ProtocolError
 
 MAGIC = b"TW"
 # 2: the handshake became an HMAC challenge-response (CHALLENGE frame, see auth.py).
-VERSION = 2
+# 3: CONTROL frames carry the heartbeat (PING / PONG, see _liveness.py).
+VERSION = 3
 
 HEADER = struct.Struct("<2sBBIQQII")
 HEADER_SIZE = HEADER.size  # 32
@@ -45,9 +46,16 @@ class Kind(enum.IntEnum):
     REQUEST = 3  # run a function, reply expected
     RESPONSE = 4  # reply to REQUEST with the same request id
     GOODBYE = 5  # orderly close: the sender will send nothing more
-    CONTROL = 6  # internal one-way message (rref / autograd / membership)
+    CONTROL = 6  # wire-level liveness: the request id is a ControlOp (PING or PONG)
     RELEASE = 7  # wire level: the receiver has read the CMA buffers of token <request id>
     CHALLENGE = 8  # connection opening, server first: its rank and a fresh nonce
+
+
+class ControlOp(enum.IntEnum):
+    """What a CONTROL frame asks (carried in its request id).  Part of the wire format."""
+
+    PING = 1  # are you there?  (sent only on a connection that has been idle)
+    PONG = 2  # the answer to PING
 
 
 class Flags(enum.IntFlag):
@@ -65,6 +73,8 @@ K_GOODBYE = int(Kind.GOODBYE)
 K_CONTROL = int(Kind.CONTROL)
 K_RELEASE = int(Kind.RELEASE)
 K_CHALLENGE = int(Kind.CHALLENGE)
+CTRL_PING = int(ControlOp.PING)
+CTRL_PONG = int(ControlOp.PONG)
 F_ERROR = int(Flags.ERROR)
 F_CMA = int(Flags.CMA)
 # In a CMA frame, a buffer length with this bit set is a buffer the receiver reads

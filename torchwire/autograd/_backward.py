@@ -34,7 +34,7 @@ import traceback
 import torch
 
 from .. import _serialization as ser
-from .._errors import RemoteError
+from .._errors import RemoteError, WorkerUnavailableError
 from .._future import Future
 from ._context import DistAutogradContext, container
 from ._recording import _anchor, _pass
@@ -218,6 +218,8 @@ def backward(context_id: int, roots, retain_graph: bool = False) -> None:
             id"), a root is not a scalar, does not require grad or is a leaf; or
             the pass failed on some worker: "Error on Node <rank>: <error>", with
             the worker's name (a :class:`RemoteError` when it was another worker).
+        WorkerUnavailableError: the pass had to reach a worker that is gone or cut
+            off; the error names it.
 
     Example::
 
@@ -248,7 +250,12 @@ def _error(here: int, failure: tuple) -> RuntimeError:
         text += f"\n{tb}"
     if rank == here:
         return RuntimeError(text)
+    if type_name.startswith("torchwire.") and type_name.endswith(".WorkerUnavailableError"):
+        # the pass could not reach worker `name` (it is gone or cut off): the agent's
+        # error, whichever worker found out
+        return WorkerUnavailableError(text, worker_name=name)
     return RemoteError(text, remote_type=type_name, worker_name=name, remote_traceback=tb)
+
 
 
 def get_gradients(context_id: int) -> dict:

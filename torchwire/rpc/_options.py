@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 
 from .. import _devices
+from .._liveness import DEFAULT_HEARTBEAT_INTERVAL, DEFAULT_HEARTBEAT_TIMEOUT
 from .._wire.frame import DEFAULT_MAX_MESSAGE_SIZE
 
 DEFAULT_RPC_TIMEOUT_SEC = 60.0
@@ -72,6 +73,11 @@ class TorchwireRpcBackendOptions(RpcBackendOptions):
             over the Unix socket (same host) stay plain.
         tls_check_hostname: whether a worker's certificate must name the address it
             listens on (True).
+        heartbeat_interval: seconds a connection may stay idle before this worker pings
+            its peer (1.0); busy connections are never pinged.  0 turns the heartbeat off.
+        heartbeat_timeout: seconds without a sign of life on a connection after which its
+            peer counts as frozen or unreachable: calls pending on it fail with
+            ``WorkerUnavailableError`` and graceful shutdown stops waiting for it (10.0).
     """
 
     def __init__(self, *, num_worker_threads: int = DEFAULT_NUM_WORKER_THREADS,
@@ -82,7 +88,9 @@ class TorchwireRpcBackendOptions(RpcBackendOptions):
                  listen_addr: str | None = None, init_timeout: float | None = None,
                  auth_secret: str | bytes | None = None, handshake_timeout: float = 10.0,
                  tls_certfile: str | None = None, tls_keyfile: str | None = None,
-                 tls_cafile: str | None = None, tls_check_hostname: bool = True) -> None:
+                 tls_cafile: str | None = None, tls_check_hostname: bool = True,
+                 heartbeat_interval: float = DEFAULT_HEARTBEAT_INTERVAL,
+                 heartbeat_timeout: float = DEFAULT_HEARTBEAT_TIMEOUT) -> None:
         if not isinstance(num_worker_threads, int) or num_worker_threads < 1:
             raise ValueError(
                 f"num_worker_threads must be a positive int, got {num_worker_threads!r}")
@@ -92,6 +100,13 @@ class TorchwireRpcBackendOptions(RpcBackendOptions):
             raise ValueError("auth_secret must be a non-empty str or bytes")
         if not isinstance(handshake_timeout, (int, float)) or handshake_timeout <= 0:
             raise ValueError(f"handshake_timeout must be > 0 seconds, got {handshake_timeout!r}")
+        for what, v in (("heartbeat_interval", heartbeat_interval),
+                        ("heartbeat_timeout", heartbeat_timeout)):
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0:
+                raise ValueError(f"{what} must be >= 0 seconds, got {v!r}")
+        if heartbeat_interval and heartbeat_timeout <= heartbeat_interval:
+            raise ValueError(f"heartbeat_timeout ({heartbeat_timeout}) must be longer than "
+                             f"heartbeat_interval ({heartbeat_interval})")
         self.num_worker_threads = num_worker_threads
         self.rpc_timeout = float(rpc_timeout)
         self.init_method = init_method
@@ -112,6 +127,8 @@ class TorchwireRpcBackendOptions(RpcBackendOptions):
         self.tls_keyfile = tls_keyfile
         self.tls_cafile = tls_cafile
         self.tls_check_hostname = tls_check_hostname
+        self.heartbeat_interval = float(heartbeat_interval)
+        self.heartbeat_timeout = float(heartbeat_timeout)
 
     def set_device_map(self, to: str, device_map: dict) -> None:
         """Map this worker's devices to ``to``'s: a tensor on a key device arrives on the

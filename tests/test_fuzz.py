@@ -1,0 +1,157 @@
+"""Property-based fuzzing of the frame decoder and the unpickling boundary (hypothesis).
+
+A short budget runs in ``./run test``; ``TORCHWIRE_FUZZ_EXAMPLES=20000 ./run test
+tests/test_fuzz.py`` runs a long one on demand.  The properties: whatever bytes
+arrive, the reader either delivers well-formed frames or drops the connection
+with a ``ProtocolError`` / ``EOFError`` (never another exception, never a hang,
+never an allocation beyond ``max_message_size``); whatever payload arrives, the
+decoder raises ``SerializationError`` (never another exception).
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import socket
+import struct
+import threading
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import torchwire
+from torchwire import _serialization as ser
+from torchwire._wire import frame as F
+from torchwire._wire.connection import Connection
+
+EXAMPLES = int(os.environ.get("TORCHWIRE_FUZZ_EXAMPLES", "100"))
+MAX = 1 << 16  # the readers' max_message_size: nothing larger may be allocated
+
+fuzz = settings(max_examples=EXAMPLES, deadline=None, database=None,
+                suppress_health_check=[HealthCheck.too_slow])
+
+
+# A frame with each header field either valid or garbage: reaches past the first check.
+headers = st.builds(
+    lambda magic, version, kind, flags, rid, plen, nbufs, res: struct.pack(
+        "<2sBBIQQII", magic, version, kind, flags, rid, plen, nbufs, res),
+    st.sampled_from([F.MAGIC, b"XY", b"\x00\x00"]),
+    st.sampled_from([F.VERSION, 0, 255]),
+    st.integers(0, 255),
+    st.integers(0, 2 ** 32 - 1),
+    st.integers(0, 2 ** 64 - 1),
+    st.one_of(st.integers(0, 64), st.integers(0, 2 ** 64 - 1)),
+    st.one_of(st.integers(0, 4), st.integers(0, 2 ** 32 - 1)),
+    st.integers(0, 2 ** 32 - 1),
+)
+streams = st.lists(st.one_of(headers, st.binary(max_size=64),
+                             st.lists(st.integers(0, 2 ** 64 - 1), max_size=4).map(
+                                 lambda xs: struct.pack(f"<{len(xs)}Q", *xs))),
+                   max_size=6).map(b"".join)
+
+
+class _Sink:
+    def __init__(self) -> None:
+        self.frames: list = []
+        self.exc = None
+        self.closed = threading.Event()
+
+    def on_frames(self, conn, frames, inline_ok=False):
+        self.frames.extend(frames)
+
+    def on_close(self, conn, exc):
+        self.exc = exc
+        self.closed.set()
+
+
+def _reader():
+    """A Connection reading one end of a socket pair; returns it, the other end, its sink."""
+    a, b = socket.socketpair()
+    sink = _Sink()
+    conn = Connection(a, 1, sink.on_frames, sink.on_close, max_message_size=MAX,
+                      initiated=False, transport="unix")
+    conn.start()
+    return conn, b, sink
+
+
+@fuzz
+@given(data=streams)
+def test_frame_decoder_accepts_or_rejects_cleanly(data):
+    kinds = {int(k) for k in F.Kind}
+    try:
+        kind, flags, rid, plen, nbufs = F.decode_header(data.ljust(F.HEADER_SIZE, b"\0"), MAX)
+    except torchwire.ProtocolError:
+        return
+    assert kind in kinds and plen <= MAX and nbufs <= F.MAX_BUFFERS
+    table = data[F.HEADER_SIZE:F.HEADER_SIZE + 8 * nbufs]
+    if len(table) == 8 * nbufs:
+        try:
+            lens = F.decode_buffer_lens(table, nbufs, plen, MAX)
+        except torchwire.ProtocolError:
+            return
+        assert plen + sum(n & ~F.REMOTE_BIT for n in lens) <= MAX
+
+
+@fuzz
+@given(data=streams)
+def test_connection_reader_survives_any_bytes(data):
+    conn, b, sink = _reader()
+    try:
+        b.sendall(data)
+        b.shutdown(socket.SHUT_WR)  # then EOF: a truncated frame must not hang the reader
+        assert sink.closed.wait(10), "the reader hung"
+        assert sink.exc is None or isinstance(
+            sink.exc, (torchwire.ProtocolError, EOFError, ConnectionError)), repr(sink.exc)
+        for _kind, _flags, _rid, payload, tensors in sink.frames:
+            assert len(payload) + sum(t.numel() for t in tensors) <= MAX
+    finally:
+        conn.close()
+        b.close()
+
+
+def _valid_payload() -> bytes:
+    payload, _tensors = ser.dumps((len, ([1, 2.5, "x", None], {"k": (True, b"b")}), None))
+    return payload
+
+
+@fuzz
+@given(data=st.one_of(
+    st.binary(max_size=200),
+    st.tuples(st.integers(0, 200), st.binary(min_size=1, max_size=8)).map(
+        lambda t: bytearray(_valid_payload()[:t[0]]) + t[1] + _valid_payload()[t[0]:]),
+    st.tuples(st.integers(0, 200), st.integers(0, 255)).map(
+        lambda t: _flip(_valid_payload(), *t)),
+    st.integers(0, 200).map(lambda n: _valid_payload()[:n]),
+))
+def test_unpickling_boundary_raises_only_serialization_errors(data):
+    try:
+        ser.loads(bytes(data), [])
+    except torchwire.SerializationError:
+        pass
+
+
+def _flip(payload: bytes, at: int, byte: int) -> bytes:
+    buf = bytearray(payload)
+    buf[at % len(buf)] = byte
+    return bytes(buf)
+
+
+@pytest.mark.parametrize("claim", [MAX + 1, 2 ** 63, 2 ** 64 - 1])
+def test_absurd_lengths_are_refused_before_anything_is_allocated(claim):
+    for raw in (F.HEADER.pack(F.MAGIC, F.VERSION, F.K_REQUEST, 0, 1, claim, 0, 0),
+                F.encode_header(F.K_REQUEST, 0, 1, 0, [1, max(MAX + 1, claim & ~F.REMOTE_BIT)])):
+        conn, b, sink = _reader()
+        try:
+            b.sendall(raw)  # and nothing more: the reader must refuse, not wait for it
+            assert sink.closed.wait(10)
+            assert isinstance(sink.exc, torchwire.ProtocolError)
+            assert "max message size" in str(sink.exc)
+        finally:
+            conn.close()
+            b.close()
+
+
+def test_the_valid_payload_used_above_does_decode():
+    assert ser.loads(_valid_payload(), [])[0] is len
+    assert pickle.loads(_valid_payload())[0] is len

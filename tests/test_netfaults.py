@@ -1,0 +1,228 @@
+"""Network faults across hosts: 3 workers on 3 network namespaces joined by a bridge.
+
+Each worker runs in a network namespace of its own (its own stack, so torchwire
+sees three hosts and uses TCP), with one veth into a "hub" namespace that
+bridges them on 10.213.<n>.0/24 (addresses made here and nowhere else).
+Rendezvous goes through a FileStore on the shared filesystem.  Cutting a link
+is ``ip link set down`` on the hub side of a worker's veth.  Skipped where
+namespaces cannot be created (not root, no iproute2, no veth or bridge).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import multiprocessing as mp
+import os
+import shutil
+import signal
+import subprocess
+import threading
+import time
+import uuid
+
+import pytest
+
+import torchwire
+import torchwire.rpc as rpc
+from _cluster import new_init_method, options
+
+_ctx = mp.get_context("fork")
+_CLONE_NEWNET = 0x40000000
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def add(a, b):
+    return a + b
+
+
+def _ip(*args, check=True):
+    return subprocess.run(["ip", *args], check=check, capture_output=True, text=True,
+                          timeout=10)
+
+
+class Hosts:
+    """Namespaces ``<tag>-h0..h2`` bridged in ``<tag>-hub``; deleted in :meth:`close`."""
+
+    def __init__(self, n: int = 3) -> None:
+        self.tag = f"tw{uuid.uuid4().hex[:6]}"
+        self.subnet = 10 + os.getpid() % 200  # 10.213.<subnet>.0/24
+        self.hub = f"{self.tag}-hub"
+        self.names = [f"{self.tag}-h{i}" for i in range(n)]
+        self.addrs = [f"10.213.{self.subnet}.{i + 1}" for i in range(n)]
+        self._made: list[str] = []
+        try:
+            for ns in [self.hub, *self.names]:
+                _ip("netns", "add", ns)
+                self._made.append(ns)
+                _ip("-n", ns, "link", "set", "lo", "up")
+            _ip("-n", self.hub, "link", "add", "br0", "type", "bridge")
+            _ip("-n", self.hub, "link", "set", "br0", "up")
+            for i, ns in enumerate(self.names):
+                # both ends are made inside the hub, then one end moves to the host
+                _ip("-n", self.hub, "link", "add", f"p{i}", "type", "veth", "peer", "name",
+                    f"e{i}")
+                _ip("-n", self.hub, "link", "set", f"e{i}", "netns", ns)
+                _ip("-n", self.hub, "link", "set", f"p{i}", "master", "br0")
+                _ip("-n", self.hub, "link", "set", f"p{i}", "up")
+                _ip("-n", ns, "addr", "add", f"{self.addrs[i]}/24", "dev", f"e{i}")
+                _ip("-n", ns, "link", "set", f"e{i}", "up")
+        except BaseException:
+            self.close()
+            raise
+
+    def cut(self, i: int) -> None:
+        _ip("-n", self.hub, "link", "set", f"p{i}", "down")
+
+    def restore(self, i: int) -> None:
+        _ip("-n", self.hub, "link", "set", f"p{i}", "up")
+
+    def enter(self, i: int) -> None:
+        """Move the calling (single-threaded, just forked) process into host ``i``."""
+        libc = ctypes.CDLL(None, use_errno=True)
+        fd = os.open(f"/var/run/netns/{self.names[i]}", os.O_RDONLY)
+        try:
+            if libc.setns(fd, _CLONE_NEWNET) != 0:
+                raise OSError(ctypes.get_errno(), "setns failed")
+        finally:
+            os.close(fd)
+
+    def close(self) -> None:
+        for ns in reversed(self._made):
+            _ip("netns", "del", ns, check=False)  # takes its veth ends along
+        self._made = []
+
+
+@pytest.fixture
+def hosts():
+    if shutil.which("ip") is None:
+        pytest.skip("network namespaces: iproute2 (`ip`) is not installed")
+    if os.geteuid() != 0:
+        pytest.skip("network namespaces: creating them needs root")
+    try:
+        h = Hosts(3)
+    except (subprocess.CalledProcessError, OSError) as exc:
+        detail = getattr(exc, "stderr", "") or exc
+        pytest.skip(f"network namespaces with veth and a bridge cannot be created here: "
+                    f"{detail}")
+    try:
+        yield h
+    finally:
+        h.close()
+
+
+def _child(conn, hosts, rank, init_method, body, opts):
+    try:
+        hosts.enter(rank)
+        rpc.init_rpc(f"worker{rank}", rank=rank, world_size=3,
+                     rpc_backend_options=options(init_method, listen_addr=hosts.addrs[rank],
+                                                 **opts))
+        value = body(rank)
+        rpc.shutdown()
+        conn.send(("ok", value))
+    except BaseException as exc:
+        import traceback
+        conn.send(("err", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+    finally:
+        os._exit(0)
+
+
+def _run(hosts, body, timeout=90, **opts):
+    init_method = new_init_method()
+    procs = []
+    try:
+        for rank in range(3):
+            parent, child = _ctx.Pipe(duplex=False)
+            p = _ctx.Process(target=_child,
+                             args=(child, hosts, rank, init_method, body, opts))
+            p.start()
+            child.close()
+            procs.append((p, parent))
+        out = []
+        for rank, (_p, conn) in enumerate(procs):
+            assert conn.poll(timeout), f"rank {rank}: no answer within {timeout}s"
+            status, value = conn.recv()
+            assert status == "ok", f"rank {rank}: {value}"
+            out.append(value)
+        return out
+    finally:
+        for p, _ in procs:
+            if p.is_alive():
+                os.kill(p.pid, signal.SIGKILL)
+            p.join(5)
+
+
+def test_three_hosts_talk_over_tcp(hosts):
+    def body(rank):
+        peers = [r for r in range(3) if r != rank]
+        got = [rpc.rpc_sync(f"worker{r}", add, args=(rank, r)) for r in peers]
+        return got, rpc.api._agent.stats()["transports"]
+
+    for rank, (got, transports) in enumerate(_run(hosts, body)):
+        assert got == [rank + r for r in range(3) if r != rank]
+        assert transports == ["tcp"]
+
+
+def test_cut_link_gives_errors_not_hangs_and_a_restored_link_works_again(hosts):
+    cut, restored = _ctx.Event(), _ctx.Event()
+    step = _ctx.Barrier(4)  # three workers and this process
+
+    def body(rank):
+        peers = [r for r in range(3) if r != rank]
+        for r in peers:
+            assert rpc.rpc_sync(f"worker{r}", add, args=(1, 1)) == 2
+        step.wait(30)  # everyone connected: now the link of worker2 goes down
+        assert cut.wait(30)
+        report = {}
+        if rank != 2:
+            t0 = time.monotonic()
+            with pytest.raises((torchwire.RpcTimeoutError, torchwire.WorkerUnavailableError),
+                               match="worker2"):
+                rpc.rpc_sync("worker2", add, args=(1, 1), timeout=3)
+            report["cut_call"] = time.monotonic() - t0
+            other = 1 - rank
+            assert rpc.rpc_sync(f"worker{other}", add, args=(2, 2)) == 4  # unaffected
+        else:
+            t0 = time.monotonic()
+            with pytest.raises((torchwire.RpcTimeoutError, torchwire.WorkerUnavailableError)):
+                rpc.rpc_sync("worker0", add, args=(1, 1), timeout=3)
+            report["cut_call"] = time.monotonic() - t0
+        step.wait(30)  # now the link comes back
+        assert restored.wait(30)
+        t0 = time.monotonic()
+        deadline = t0 + 15
+        for r in peers:
+            while True:
+                try:
+                    assert rpc.rpc_sync(f"worker{r}", add, args=(3, 3), timeout=2) == 6
+                    break
+                except (torchwire.RpcTimeoutError, torchwire.WorkerUnavailableError):
+                    assert time.monotonic() < deadline, f"worker{r} still unreachable"
+                    time.sleep(0.1)
+        report["recovered"] = time.monotonic() - t0
+        step.wait(30)
+        return report
+
+    results = {}
+
+    def drive():
+        try:
+            step.wait(60)
+            hosts.cut(2)
+            cut.set()
+            step.wait(60)
+            hosts.restore(2)
+            restored.set()
+            step.wait(60)
+        except Exception as exc:  # a broken barrier: the workers report why
+            results["driver"] = exc
+
+    t = threading.Thread(target=drive, daemon=True)
+    t.start()
+    reports = _run(hosts, body, rpc_timeout=10, heartbeat_interval=0.2, heartbeat_timeout=1.5)
+    t.join(10)
+    print("netns cut/restore:", reports)
+    assert "driver" not in results, results
+    for r in reports:
+        assert r["cut_call"] < 3.5
+        assert r["recovered"] < 10
