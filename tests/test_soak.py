@@ -67,6 +67,7 @@ def test_ten_thousand_outstanding_calls_from_four_threads_all_complete(world):
 
 
 @pytest.mark.skipif(not SOAK, reason="soak runs on demand: TORCHWIRE_SOAK=1")
+@pytest.mark.timeout(3600)
 def test_soak_small_calls_and_rref_cycles_keep_memory_and_fds_flat():
     calls, cycles = 1_000_000, 100_000
 
