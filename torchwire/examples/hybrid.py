@@ -16,7 +16,7 @@ the dense part here).
 The dense gradients are averaged over the trainers' process group from the
 context (``get_gradients``) before the step: DDP's own averaging runs from
 hooks of torch's local autograd engine, which torchwire's distributed backward
-does not run (docs/architecture.md).  DDP still makes the replicas start equal,
+does not run (README, "Differences").  DDP still makes the replicas start equal,
 and the summary checks that they ended equal.
 
     python -m torchwire.examples.hybrid              # 2 trainers + ps
