@@ -156,7 +156,7 @@ def worker(job: _common.Job) -> None:
 
 
 def main(argv=None) -> int:
-    p = _common.parser("parameter_server", __doc__, world_size=4, steps=400, lr=0.05,
+    p = _common.parser("parameter_server", __doc__, world_size=4, steps=1000, lr=0.05,
                        batch_size=32)
     return _common.launch(worker, p.parse_args(argv))
 

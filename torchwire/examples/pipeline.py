@@ -18,6 +18,7 @@ and the summary compares the two throughputs.
 
 from __future__ import annotations
 
+import os
 import sys
 import threading
 import time
@@ -123,6 +124,7 @@ def drive(job: _common.Job) -> None:
     args = job.args
     n = job.world_size - 1
     data = _data.digits(args.seed)
+    load = os.getloadavg()[0]
     t0 = time.perf_counter()
     pipe = DistPipeline([f"stage{i}" for i in range(1, n + 1)], args)
     losses, times, acc = run(pipe, args, args.steps, args.micro_batches, data,
@@ -148,6 +150,8 @@ def drive(job: _common.Job) -> None:
         ("throughput", f"{rate:,.0f} samples/s pipelined ({n} stages x "
                        f"{args.micro_batches} micro-batches) vs {base_rate:,.0f} samples/s "
                        f"as one stage: x{rate / base_rate:.2f}"),
+        ("cores", f"{os.cpu_count()} for {job.world_size} processes, load average {load:.1f} "
+                  "at the start (stages overlap only as far as each has a free core)"),
     ], elapsed, job.world_size,
         {"accuracy": acc, "first_loss": first, "last_loss": last,
          "pipelined_samples_per_s": rate, "one_stage_samples_per_s": base_rate})

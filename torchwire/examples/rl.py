@@ -156,7 +156,7 @@ def worker(job: _common.Job) -> None:
 
 
 def main(argv=None) -> int:
-    p = _common.parser("rl", __doc__, world_size=3, steps=100, lr=0.01)
+    p = _common.parser("rl", __doc__, world_size=3, steps=150, lr=0.01)
     p.add_argument("--gamma", type=float, default=0.99, help="discount (default 0.99)")
     return _common.launch(worker, p.parse_args(argv))
 
