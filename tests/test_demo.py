@@ -18,3 +18,17 @@ def test_demo_runs_a_four_worker_job():
             and ln.split()[1].isdigit()]
     assert [r[0] for r in rows] == ["worker0", "worker1", "worker2", "worker3"]
     assert all(int(r[2]) > 0 for r in rows[1:])  # every peer served calls
+
+
+def test_showcase_runs_the_parameter_server_and_the_rnn(tmp_path):
+    """`./run demo` is `python -m torchwire.examples`: two examples, two summaries."""
+    out = subprocess.run([sys.executable, "-m", "torchwire.examples", "--quick", "--no-progress",
+                          "--plots", str(tmp_path)], capture_output=True, text=True,
+                         timeout=180)
+    assert out.returncode == 0, out.stdout + out.stderr
+    for name in ("parameter_server", "rnn"):
+        assert f"== torchwire.examples.{name}:" in out.stdout
+        assert (tmp_path / f"torchwire-{name}.png").exists()
+    bad = subprocess.run([sys.executable, "-m", "torchwire.examples", "nosuch"],
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "no example nosuch; there are parameter_server" in bad.stderr

@@ -11,6 +11,7 @@ import torch.nn as nn
 
 import torchwire.autograd as dist_autograd
 import torchwire.rpc as rpc
+from torchwire.examples.rnn import Decoder, EmbeddingTable
 from torchwire.optim import DistributedOptimizer
 from torchwire.rpc import RRef
 
@@ -197,29 +198,7 @@ def test_slides_example(world):
 
 # ---------------------------------------------------------------- the seed's distributed RNN
 
-class EmbeddingTable(nn.Module):
-    """Encoding layers of the RNNModel (on the parameter server)."""
-
-    def __init__(self, ntoken, ninp, dropout):
-        super().__init__()
-        self.drop = nn.Dropout(dropout)
-        self.encoder = nn.Embedding(ntoken, ninp)
-        self.encoder.weight.data.uniform_(-0.1, 0.1)
-
-    def forward(self, input):
-        return self.drop(self.encoder(input))
-
-
-class Decoder(nn.Module):
-    def __init__(self, ntoken, nhid, dropout):
-        super().__init__()
-        self.drop = nn.Dropout(dropout)
-        self.decoder = nn.Linear(nhid, ntoken)
-        self.decoder.bias.data.zero_()
-        self.decoder.weight.data.uniform_(-0.1, 0.1)
-
-    def forward(self, output):
-        return self.decoder(self.drop(output))
+# the modules are the example's (torchwire.examples.rnn), the seed's code
 
 
 def seeded(cls, seed, *args):

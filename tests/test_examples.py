@@ -1,0 +1,79 @@
+"""Every example runs small, as a user starts it, and learns; one runs under torchrun."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+
+def run_example(name: str, tmp_path: Path, *options: str, launcher: list | None = None,
+                timeout: float = 120) -> tuple[dict, str]:
+    """Run ``python -m torchwire.examples.NAME`` (or under ``launcher``); return the
+    figures it wrote and its standard output."""
+    results, plot = tmp_path / "results.json", tmp_path / f"{name}.png"
+    cmd = (launcher or [sys.executable]) + ["-m", f"torchwire.examples.{name}",
+                                            "--no-progress", "--plot", str(plot),
+                                            "--results", str(results), "--timeout",
+                                            str(timeout - 10), *options]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=tmp_path)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert f"== torchwire.examples.{name}:" in out.stdout
+    assert "rpc traffic" in out.stdout
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    figures = json.loads(results.read_text())
+    assert figures["rpc_calls"] > 0 and figures["rpc_bytes_sent"] > 0
+    return figures, out.stdout
+
+
+def test_parameter_server_learns_digits(tmp_path):
+    fig, _ = run_example("parameter_server", tmp_path, "--world-size", "3", "--steps", "150")
+    assert fig["accuracy_before"] < 0.3
+    assert fig["accuracy"] > 0.85, fig
+    assert fig["steps"] == 150
+
+
+def test_rnn_loss_falls(tmp_path):
+    fig, out = run_example("rnn", tmp_path, "--steps", "120", "--nlayers", "1")
+    assert fig["last_loss"] < 0.75 * fig["first_loss"], fig
+    assert fig["samples"][0].startswith("Shall I") and "trainer1 writes" in out
+
+
+def test_pipeline_learns_and_compares_with_one_stage(tmp_path):
+    fig, out = run_example("pipeline", tmp_path, "--steps", "15", "--hidden", "256",
+                           "--batch-size", "256", "--lr", "0.003")
+    assert fig["accuracy"] > 0.7, fig
+    assert fig["last_loss"] < 0.5 * fig["first_loss"], fig
+    assert fig["pipelined_samples_per_s"] > 0 and fig["one_stage_samples_per_s"] > 0
+    assert "samples/s as one stage" in out
+
+
+def test_rl_reward_rises(tmp_path):
+    fig, _ = run_example("rl", tmp_path, "--steps", "30")
+    assert fig["last_reward"] > 2 * fig["first_reward"], fig
+
+
+def test_hybrid_learns_and_keeps_replicas_equal(tmp_path):
+    fig, _ = run_example("hybrid", tmp_path, "--steps", "200")
+    assert fig["replicas_equal"]
+    assert fig["accuracy"] > 0.7, fig
+    assert fig["last_loss"] < 0.3 * fig["first_loss"], fig
+
+
+def test_example_runs_unchanged_under_torchrun(tmp_path):
+    torchrun = Path(sys.executable).parent / "torchrun"
+    if not torchrun.exists():
+        pytest.skip("torchrun is not installed next to this Python")
+    env_free = {k: v for k, v in os.environ.items()
+                if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    assert env_free  # the launcher sets them for its children, not this test
+    fig, out = run_example("parameter_server", tmp_path, "--steps", "100",
+                           launcher=[str(torchrun), "--standalone", "--nproc-per-node", "3"])
+    assert out.count("== torchwire.examples.parameter_server:") == 1  # rank 0 only
+    assert fig["world_size"] == 3 and fig["accuracy"] > 0.8, fig
