@@ -620,10 +620,12 @@ class RpcAgent:
         out = self._peers[rank].out  # not under peer.lock: a connect may hold it
         if out is not None:
             conns.append(out)
-        for c in conns:
-            c.close(err)
+        # Fail the pending calls first: closing wakes the readers, which would fail
+        # them with a bare "connection lost" instead of the reason known here.
         for rid in [rid for rid, e in list(self._pending.items()) if e[2] == rank]:
             self._fail(rid, err)
+        for c in conns:
+            c.close(err)
         if not first:
             return
         log.warning("torchwire: %s lost worker %s: %s", self.name,

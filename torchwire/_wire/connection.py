@@ -224,6 +224,8 @@ class Connection:
             exc = e
         if isinstance(exc, EOFError) and self.goodbye_received:
             exc = None
+        elif exc is not None and self.closed and self.close_reason is not None:
+            exc = self.close_reason  # closed here, on purpose: report why, not the EOF
         if isinstance(exc, ProtocolError):
             log.warning("torchwire: dropping connection to rank %s: %s", self.peer_rank, exc)
         self.close(exc)
