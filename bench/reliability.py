@@ -172,6 +172,8 @@ def run_sigstop(lib: str, log) -> dict:
         if not wait_ready(job, (0, 1)) or not job.get(2, "ready", 30):
             out["error"] = "setup failed: " + "; ".join(job.errors())
             return out
+        # let worker2's queue feeder release the shared queue lock before it is frozen
+        time.sleep(0.5)
         os.kill(job.procs[2].pid, signal.SIGSTOP)
         job.events[0].set()
         total = 2 * CAP["call"] + CAP["shutdown"] + 10
