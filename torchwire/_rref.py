@@ -631,17 +631,15 @@ class RRefContext:
         out: dict[int, list] = {}
         for ev in batch:
             kind = ev[0]
-            if kind == "del":
+            if kind in ("del", "confirmed"):
+                # Dekker with the creation callback: "del" sets deleted, then reads
+                # confirmed; the callback sets confirmed, then reads deleted.  Whichever
+                # event comes second sends the deletion, once.
                 state = ev[1]
-                state.deleted = True
-                self._forget_user(state)
-                if state.confirmed and not state.gone:
-                    state.gone = True
-                    out.setdefault(state.owner, []).append(
-                        ("del", state.rref_id, state.fork_id, None))
-            elif kind == "confirmed":
-                state = ev[1]
-                if state.deleted and not state.gone:
+                if kind == "del":
+                    state.deleted = True
+                    self._forget_user(state)
+                if state.deleted and state.confirmed and not state.gone:
                     state.gone = True
                     out.setdefault(state.owner, []).append(
                         ("del", state.rref_id, state.fork_id, None))
