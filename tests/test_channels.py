@@ -1,7 +1,9 @@
-"""Every channel passes the same transfer tests: inline socket stream and CMA.
+"""Every channel passes the same transfer tests: shared memory, CMA, socket stream.
 
-CMA (cross-memory attach) moves large buffers between same-host workers with one
-``process_vm_readv``; ``_channels=["socket"]`` forces everything through the socket.
+Shared memory (the default between same-host workers) moves large buffers in
+memfd segments whose descriptors cross the Unix socket; CMA (cross-memory
+attach) with one ``process_vm_readv``; ``_channels=["socket"]`` forces everything
+through the socket.  tests/test_shm.py covers what is particular to shared memory.
 """
 
 from __future__ import annotations
@@ -13,10 +15,10 @@ import torch
 
 import torchwire.rpc as rpc
 from _cluster import run_world
-from torchwire._wire import cma
+from torchwire._wire import cma, shm
 from torchwire._wire.buffers import pool_stats
 
-CHANNELS = {"cma": None, "socket": ["socket"]}
+CHANNELS = {"shm": None, "cma": ["cma"], "socket": ["socket"]}
 
 
 def echo(x):
@@ -27,12 +29,14 @@ def held_buffers():
     """How many frames' tensors this worker still keeps for peers to read."""
     agent = rpc.api._get_current_rpc_agent()
     conns = list(agent._incoming) + [p.out for p in agent._peers if p.out is not None]
-    return sum(len(getattr(c, "_cma_hold", {})) for c in conns)
+    return (sum(len(getattr(c, "_cma_hold", {})) for c in conns)
+            + shm.stats()["leased"])
 
 
-def out_connection_uses_cma(to):
+def out_connection_channel(to):
     agent = rpc.api._get_current_rpc_agent()
-    return agent._peers[agent.get_worker_info(to).id].out.cma_pid is not None
+    conn = agent._peers[agent.get_worker_info(to).id].out
+    return "shm" if conn.shm_send else "cma" if conn.cma_pid is not None else "socket"
 
 
 def _payloads():
@@ -62,6 +66,8 @@ def _equal(a, b):
 def test_large_transfers_both_directions(channel):
     if channel == "cma" and not cma.available():
         pytest.skip("process_vm_readv is not available on this platform")
+    if channel == "shm" and not shm.available():
+        pytest.skip("memfd and descriptor passing are not available on this platform")
 
     def body(rank, world_size):
         other = f"worker{1 - rank}"
@@ -71,17 +77,17 @@ def test_large_transfers_both_directions(channel):
                 for name, value in _payloads().items()}
         for name, fut in futs.items():
             results[name] = _equal(_payloads()[name], fut.wait())
-        uses_cma = out_connection_uses_cma(other)
+        used = out_connection_channel(other)
         # the peer releases what it read; wait (bounded) until nothing is held
         deadline = time.monotonic() + 10
         while held_buffers() and time.monotonic() < deadline:
             rpc.rpc_sync(other, held_buffers)
         results["held_after"] = held_buffers()
-        results["uses_cma"] = uses_cma
+        results["channel"] = used
         return results
 
     for res in run_world(body, 2, _channels=CHANNELS[channel]):
-        assert res.pop("uses_cma") is (channel == "cma")
+        assert res.pop("channel") == channel
         assert res.pop("held_after") == 0
         assert all(res.values()), res
 
@@ -101,7 +107,8 @@ def test_receive_buffers_are_recycled():
             return pool_stats(), theirs
         return None
 
-    mine, theirs = run_world(body, 2)[0]
+    # The pool serves the CMA and socket channels (shared memory maps the sender's pages).
+    mine, theirs = run_world(body, 2, _channels=["cma"])[0]
     # After warm-up every large receive buffer comes from the pool, not fresh memory:
     # at most two misses per side (one buffer in use while the next arrives).
     assert mine["misses"] <= 2 and theirs["misses"] <= 2, (mine, theirs)
@@ -117,9 +124,12 @@ def test_transport_choice_and_large_transfer(transports, expected):
         got = rpc.rpc_sync(other, echo, args=(value,))
         agent = rpc.api._get_current_rpc_agent()
         conn = agent._peers[1 - rank].out
-        return conn.transport, conn.cma_pid is not None, _equal(value, got)
+        return (conn.transport, conn.cma_pid is not None, conn.shm_send,
+                _equal(value, got))
 
-    for transport, uses_cma, equal in run_world(body, 2, _transports=transports):
+    for transport, uses_cma, uses_shm, equal in run_world(body, 2, _transports=transports):
         assert transport == expected
-        assert uses_cma is (expected == "unix" and cma.available())  # CMA only same-host
+        # shared memory and CMA only on a Unix socket to a same-host peer
+        assert uses_cma is (expected == "unix" and cma.available())
+        assert uses_shm is (expected == "unix" and shm.available())
         assert equal

@@ -11,8 +11,9 @@ import torch
 
 import torchwire.rpc as rpc
 from _cluster import run_world
+from torchwire._wire import shm
 
-CHANNELS = {"cma": None, "socket": ["socket"]}
+CHANNELS = {"shm": None, "cma": ["cma"], "socket": ["socket"]}
 
 
 def echo(x):
@@ -35,8 +36,18 @@ def _shm() -> set:
         return set()
 
 
+def _segment_maps() -> int:
+    """Mappings of shared-memory segments (memfds named torchwire) in this process."""
+    with open("/proc/self/maps") as f:
+        return sum("memfd:torchwire" in line for line in f)
+
+
 def _state():
-    return _fds(), _rss(), _shm()
+    """Released segments are a bounded cache (counted, then closed); what stays
+    open or mapped after that is a leak."""
+    cached = shm.stats()["segments"]
+    shm.clear()
+    return _fds(), _rss(), _shm(), _segment_maps(), cached
 
 
 @pytest.mark.parametrize("channel", sorted(CHANNELS))
@@ -60,8 +71,11 @@ def test_ten_thousand_transfers_leave_no_fd_segment_or_memory_behind(channel):
 
     results = run_world(body, 2, timeout=180, _channels=CHANNELS[channel])
     for before, after in results:
-        for (fds0, rss0, shm0), (fds1, rss1, shm1) in zip(before, after):
+        for (fds0, rss0, shm0, maps0, _), (fds1, rss1, shm1, maps1, cached) in zip(before,
+                                                                                    after):
             assert fds1 <= fds0, f"file descriptors grew: {fds0} -> {fds1}"
+            assert maps1 == 0, f"{maps1} shared-memory segments still mapped"
+            assert cached <= 4, f"{cached} segments cached for 2 sizes of buffer"
             assert shm1 <= shm0, f"new /dev/shm entries: {shm1 - shm0}"
             assert rss1 - rss0 < 64 << 20, f"RSS grew by {(rss1 - rss0) >> 20} MiB"
 
@@ -70,14 +84,15 @@ def test_a_peer_dying_mid_transfer_leaves_the_survivor_clean():
     def body(rank, world_size, init_method):
         from _cluster import die, options
         rpc.init_rpc(f"worker{rank}", rank=rank, world_size=world_size,
-                     rpc_backend_options=options(init_method, rpc_timeout=20))
+                     rpc_backend_options=options(init_method, rpc_timeout=20,
+                                                 _channels=["cma"]))
         big = torch.ones(64 << 20, dtype=torch.uint8)  # 64 MiB
         if rank == 1:
             rpc.rpc_sync("worker0", echo, args=(torch.ones(4),))
             inflight = rpc.rpc_async("worker0", echo, args=(big,))  # worker0 reads it
             time.sleep(0.05)
             die(("died", inflight.done()))  # in the middle of the transfer or its reply
-        fds0, rss0, shm0 = _state()  # no call of ours: worker1 may already be dying
+        fds0, rss0, shm0, _, _ = _state()  # no call of ours: worker1 may already be dying
         time.sleep(2.0)
         with pytest.raises(rpc.WorkerUnavailableError, match="worker1"):
             rpc.rpc_sync("worker1", echo, args=(big,), timeout=10)
@@ -85,13 +100,60 @@ def test_a_peer_dying_mid_transfer_leaves_the_survivor_clean():
         import gc
         gc.collect()
         time.sleep(0.3)
-        fds1, rss1, shm1 = _state()
+        fds1, rss1, shm1, maps1, _ = _state()
         rpc.shutdown(graceful=False)
-        return fds0, fds1, rss0, rss1, shm0, shm1
+        return fds0, fds1, rss0, rss1, shm0, shm1, maps1
 
     results = run_world(body, 2, init=False, timeout=90)
     assert results[1] == ("died", False)
-    fds0, fds1, rss0, rss1, shm0, shm1 = results[0]
+    fds0, fds1, rss0, rss1, shm0, shm1, maps1 = results[0]
     assert fds1 <= fds0, f"file descriptors grew: {fds0} -> {fds1}"
+    assert maps1 == 0, f"{maps1} shared-memory segments still mapped"
+    assert shm1 <= shm0
+    assert rss1 - rss0 < 96 << 20, f"RSS grew by {(rss1 - rss0) >> 20} MiB"
+
+
+def hold(x, seconds):
+    time.sleep(seconds)
+    return x
+
+
+def test_a_peer_dying_while_mapping_segments_leaves_the_survivor_clean():
+    """Shared memory: each worker maps a segment of the other's when worker1 dies.
+    worker0 then holds a mapping of a dead peer's segment (freed when its tensor
+    goes) and a segment leased to the dead peer (never reused; closed)."""
+    def body(rank, world_size, init_method):
+        from _cluster import die, options
+        rpc.init_rpc(f"worker{rank}", rank=rank, world_size=world_size,
+                     rpc_backend_options=options(init_method, rpc_timeout=20))
+        big = torch.ones(64 << 20, dtype=torch.uint8)
+        peer = f"worker{1 - rank}"
+        rpc.rpc_sync(peer, echo, args=(torch.ones(4),))
+        if rank == 0:
+            fds0, rss0, shm0, _, _ = _state()
+        rpc.api._barrier(["worker0", "worker1"])
+        fut = rpc.rpc_async(peer, hold, args=(big, 1.5 if rank == 1 else 30))  # runs on peer
+        if rank == 1:
+            time.sleep(0.5)  # worker0's hold() has our segment mapped; we map theirs
+            die(("died", fut.done(), shm.stats()["mappings"]))
+        with pytest.raises(rpc.WorkerUnavailableError, match="worker1"):
+            fut.wait()
+        leased = shm.stats()["leased"]
+        del big, fut
+        import gc
+        gc.collect()
+        time.sleep(2.0)  # our hold() returns (its reply cannot go) and drops its mapping
+        fds1, rss1, shm1, maps1, _ = _state()
+        rpc.shutdown(graceful=False)
+        return fds0, fds1, rss0, rss1, shm0, shm1, maps1, leased
+
+    if not shm.available():
+        pytest.skip("memfd and descriptor passing are not available on this platform")
+    results = run_world(body, 2, init=False, timeout=90)
+    assert results[1] == ("died", False, 1)  # worker1 mapped worker0's segment
+    fds0, fds1, rss0, rss1, shm0, shm1, maps1, leased = results[0]
+    assert leased == 0, "a segment leased to the dead peer is still counted as leased"
+    assert fds1 <= fds0, f"file descriptors grew: {fds0} -> {fds1}"
+    assert maps1 == 0, f"{maps1} shared-memory segments still mapped"
     assert shm1 <= shm0
     assert rss1 - rss0 < 96 << 20, f"RSS grew by {(rss1 - rss0) >> 20} MiB"

@@ -58,12 +58,13 @@ from ._future import Deferred, Future, set_dispatcher
 from ._liveness import DEFAULT_HEARTBEAT_INTERVAL, DEFAULT_HEARTBEAT_TIMEOUT, PeerHealth
 from ._pool import WorkerPool
 from ._timer import DeadlineTimer
-from ._wire import cma
+from ._wire import cma, shm
 from ._wire import frame as F
 from ._wire.auth import JobAuth, client_handshake, server_handshake
 from ._wire.connection import Connection
 from ._wire.listener import Listener, connect_tcp, connect_unix, host_identity
 from ._worker_info import WorkerInfo
+from .rpc._options import channel_allowed
 
 log = logging.getLogger("torchwire")
 
@@ -160,10 +161,14 @@ class RpcAgent:
             getattr(options, "heartbeat_timeout", DEFAULT_HEARTBEAT_TIMEOUT))
         set_dispatcher(self._pool.submit)
         self._desc = repr(self.info)
-        channels = getattr(options, "_channels", None)
-        self._use_cma = channels is None or "cma" in channels
+        self._use_cma = channel_allowed(options, "cma")
+        self._use_shm = channel_allowed(options, "shm") and shm.available()
+        if self._use_shm:
+            shm.prepare()
+        self._channel_min = getattr(options, "_channel_threshold", None)
         transports = getattr(options, "_transports", None)
-        self._use_unix = transports is None or "uds" in transports or "unix" in transports
+        # torch's names: "shm" is its same-host transport, "uv" its TCP one.
+        self._use_unix = transports is None or bool({"uds", "unix", "shm"} & set(transports))
 
     def __repr__(self) -> str:
         return (f"<RpcAgent {self.name} rank={self.rank}/{self.world_size} "
@@ -359,7 +364,8 @@ class RpcAgent:
         conn = Connection(sock, peer.info.id, self._on_frames, self._on_close,
                           max_message_size=self.max_message_size, initiated=True,
                           transport=transport, cma_pid=self._cma_pid(peer.record, transport),
-                          defer=self._pool.submit, spawn=self._spawn_reader)
+                          defer=self._pool.submit, spawn=self._spawn_reader,
+                          **self._shm_args(peer.record, transport))
         conn.start()
         return conn
 
@@ -376,6 +382,15 @@ class RpcAgent:
             return None
         info = record.get("cma")
         return info["pid"] if cma.can_read(info) else None
+
+    def _shm_args(self, record: dict, transport: str) -> dict:
+        """Shared-memory channel of a connection: we read descriptors on every Unix
+        socket when we offer it, and send through it when the peer offers it too."""
+        local = transport == "unix" and self._use_shm and record.get("host") == self._host
+        if self._channel_min is None:
+            return {"shm_recv": local, "shm_send": local and bool(record.get("shm"))}
+        return {"shm_recv": local, "shm_send": local and bool(record.get("shm")),
+                "channel_min": self._channel_min, "shm_min": self._channel_min}
 
     def _unavailable(self, rank: int, why: str) -> WorkerUnavailableError:
         info = self._peers[rank].info
@@ -573,7 +588,8 @@ class RpcAgent:
                           max_message_size=self.max_message_size, initiated=False,
                           transport=transport,
                           cma_pid=self._cma_pid(self._peers[rank].record, transport),
-                          defer=self._pool.submit, spawn=self._spawn_reader)
+                          defer=self._pool.submit, spawn=self._spawn_reader,
+                          **self._shm_args(self._peers[rank].record, transport))
         with self._conn_lock:
             if self.state is AgentState.CLOSED:
                 conn.close()
@@ -828,6 +844,7 @@ class RpcAgent:
             c.close()
         for c in conns:
             c.join(2.0)
+        shm.clear()  # released segments; leased ones close when their mappings go
         self._timer.stop()
         self._health.stop()
         err = RpcStateError("RPC agent is shut down before the call completed")

@@ -18,7 +18,10 @@ reports ``on_close(conn, exc)`` exactly once.
 
 from __future__ import annotations
 
+import array
+import collections
 import logging
+import os
 import socket
 import threading
 from functools import partial
@@ -26,7 +29,7 @@ from functools import partial
 from .. import _threads
 from .._errors import ConnectionClosedError, ProtocolError
 from .._serialization import byte_view
-from . import cma
+from . import cma, shm
 from . import frame as F
 from .buffers import receive_buffer
 
@@ -35,6 +38,35 @@ log = logging.getLogger("torchwire")
 READ_BUF = 256 * 1024
 _IOV_MAX = 1000
 CMA_MIN = 256 * 1024  # smaller buffers are cheaper inline than a syscall + a RELEASE
+SHM_MIN = 1 << 20  # below this, mapping + unmapping costs more than CMA's copy
+_MAX_FDS = 250  # descriptors per frame (the kernel takes at most 253 per sendmsg)
+_ANC_SPACE = socket.CMSG_SPACE(253 * 4) if hasattr(socket, "CMSG_SPACE") else 0
+
+
+class _Fds:
+    """In a connection's queue, just before a frame's header: the descriptors
+    that frame's shared-memory buffers need.  They go with the first ``sendmsg``
+    that carries the frame, so they reach the reader no later than the header.
+    The queue owns them (duplicates) and closes them once sent or dropped."""
+
+    __slots__ = ("fds",)
+
+    def __init__(self, fds: list[int]) -> None:
+        self.fds = fds
+
+    def close(self) -> None:
+        fds, self.fds = self.fds, []
+        for fd in fds:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+
+def _close_fds(parts) -> None:
+    for p in parts:
+        if type(p) is _Fds:
+            p.close()
 _PREFAULT_MIN = 1 << 20
 _PREFAULT_CHUNK = 2 << 20  # stay under Linux's IOV_MAX (1024)
 
@@ -55,7 +87,8 @@ class Connection:
     def __init__(self, sock: socket.socket, peer_rank: int, on_frames, on_close, *,
                  max_message_size: int = F.DEFAULT_MAX_MESSAGE_SIZE, initiated: bool,
                  transport: str, cma_pid: int | None = None, defer=None,
-                 spawn=None) -> None:
+                 spawn=None, shm_send: bool = False, shm_recv: bool = False,
+                 channel_min: int = CMA_MIN, shm_min: int = SHM_MIN) -> None:
         self.sock = sock
         self.peer_rank = peer_rank
         self.initiated = initiated
@@ -76,6 +109,15 @@ class Connection:
         self._defer = defer or (lambda fn, *args: fn(*args))
         self._cma_hold: dict[int, list] = {}
         self._cma_tokens = 0
+        # Same-host peer that reads descriptors from the socket: large buffers then
+        # travel in shared-memory segments (see shm.py).  Plain sockets only.
+        plain = isinstance(sock, socket.socket)
+        self.shm_send = bool(shm_send and plain and shm.available())
+        self.shm_recv = bool(shm_recv and plain and shm.available())
+        self.channel_min = max(1, channel_min)
+        self.shm_min = max(1, shm_min)
+        self._fd_frames = 0  # frames in the queue that carry descriptors
+        self._fdq: collections.deque = collections.deque()  # received, not yet used
         self.frames_in = 0
         # Liveness evidence for the heartbeat (see _liveness.py): heartbeat frames
         # received, and reads of large frames still in progress.
@@ -113,8 +155,13 @@ class Connection:
         token = 0
         if tensors:
             lens = [t.nbytes for t in tensors]
-            if self.cma_pid is not None and max(lens) >= CMA_MIN:
-                return self._send_cma_frame(kind, flags, request_id, payload, tensors, lens)
+            big = max(lens)
+            if big >= self.channel_min:
+                if self.shm_send and big >= self.shm_min and self._send_shm_frame(
+                        kind, flags, request_id, payload, tensors, lens):
+                    return
+                if self.cma_pid is not None:
+                    return self._send_cma_frame(kind, flags, request_id, payload, tensors, lens)
             parts = [F.encode_header(kind, flags, request_id, len(payload), lens), payload]
             parts.extend(byte_view(t, n) for t, n in zip(tensors, lens) if n)
             size = F.HEADER_SIZE + 8 * len(lens) + len(payload) + sum(lens)
@@ -123,6 +170,46 @@ class Connection:
                                    0, 0), payload]
             size = F.HEADER_SIZE + len(payload)
         self._enqueue(parts, tensors, size, token)
+
+    def _send_shm_frame(self, kind, flags, request_id, payload, tensors, lens) -> bool:
+        """Send large buffers through shared-memory segments; False (nothing sent)
+        if the channel failed, so the caller falls back to another."""
+        wire_lens, refs, fds, leased = [], [], [], []
+        try:
+            for t, n in zip(tensors, lens):
+                if n >= self.shm_min and len(fds) < _MAX_FDS:
+                    seg_id, seg_size, offset, how, fd = shm.export(t, n, self)
+                    if fd is not None:
+                        fds.append(fd)
+                        leased.append(seg_id)
+                    wire_lens.append(n | F.SHM_BIT)
+                    refs.append(F.SHM_REF.pack(seg_id, seg_size, offset, how))
+                else:
+                    wire_lens.append(n)
+                    refs.append(byte_view(t, n) if n else b"")
+        except ConnectionClosedError:
+            for seg_id in leased:
+                shm.release(self, seg_id)
+            _close_fds([_Fds(fds)])
+            raise
+        except OSError as exc:  # no memory for a segment, descriptors exhausted, ...
+            for seg_id in leased:
+                shm.release(self, seg_id)
+            _close_fds([_Fds(fds)])
+            log.warning("torchwire: shared-memory channel to rank %s failed (%s); "
+                        "sending through the socket", self.peer_rank, exc)
+            return False
+        parts = [_Fds(fds)] if fds else []
+        parts.append(F.encode_header(kind, flags, request_id, len(payload), wire_lens))
+        parts.append(payload)
+        parts.extend(r for r in refs if len(r))
+        size = F.HEADER_SIZE + 8 * len(lens) + len(payload) + sum(lens)
+        try:
+            self._enqueue(parts, tensors, size, 0)
+        except ConnectionClosedError:
+            _close_fds(parts)
+            raise
+        return True
 
     def _send_cma_frame(self, kind, flags, request_id, payload, tensors, lens) -> None:
         with self._qlock:
@@ -151,11 +238,12 @@ class Connection:
         except ConnectionClosedError:
             pass
 
-    def send_release(self, token: int) -> None:
-        """Tell the peer we have read the buffers of ``token`` (it may free them)."""
+    def send_release(self, token: int, shm: bool = False) -> None:
+        """Tell the peer we have read the buffers of CMA ``token`` (it may free
+        them), or (``shm``) unmapped one lease of its segment ``token``."""
         try:
-            self._enqueue([F.HEADER.pack(F.MAGIC, F.VERSION, F.K_RELEASE, 0, token, 0, 0, 0)],
-                          (), F.HEADER_SIZE, 0)
+            self._enqueue([F.HEADER.pack(F.MAGIC, F.VERSION, F.K_RELEASE, F.F_SHM if shm else 0,
+                                         token, 0, 0, 0)], (), F.HEADER_SIZE, 0)
         except ConnectionClosedError:
             pass
 
@@ -164,6 +252,8 @@ class Connection:
             if self.closed:
                 raise ConnectionClosedError(f"connection to rank {self.peer_rank} is closed")
             self._queue.extend(parts)
+            if type(parts[0]) is _Fds:
+                self._fd_frames += 1
             if token:
                 self._cma_hold[token] = tensors  # until the peer's RELEASE
             elif tensors:
@@ -186,16 +276,26 @@ class Connection:
                 self._queue = []
                 keep = self._keep
                 self._keep = []
+                with_fds, self._fd_frames = self._fd_frames, 0
             try:
-                self._sendall(parts)
+                if with_fds:
+                    _sendall_fds(self.sock, parts)
+                else:
+                    self._sendall(parts)
             except OSError as exc:
+                if with_fds:
+                    _close_fds(parts)
                 with self._qlock:
                     self._flushing = False
-                    self._queue = []
+                    dropped, self._queue = self._queue, []
+                    self._fd_frames = 0
                     self._keep = []
+                _close_fds(dropped)
                 self.close(exc)
                 raise ConnectionClosedError(
                     f"write to rank {self.peer_rank} failed: {exc}") from exc
+            if with_fds:
+                _close_fds(parts)
             del keep
 
     # ------------------------------------------------------------------ reading
@@ -229,6 +329,11 @@ class Connection:
         if isinstance(exc, ProtocolError):
             log.warning("torchwire: dropping connection to rank %s: %s", self.peer_rank, exc)
         self.close(exc)
+        while self._fdq:  # descriptors the peer sent for frames never read
+            try:
+                os.close(self._fdq.popleft())
+            except OSError:
+                pass
         try:
             self.sock.close()
         except OSError:
@@ -250,6 +355,21 @@ class Connection:
         header_size = F.HEADER_SIZE
         unpack_header = F.HEADER.unpack_from
         magic, version = F.MAGIC, F.VERSION
+        fdq = self._fdq
+        if self.shm_recv:  # descriptors may ride with the bytes: read them too
+            def recv_into(view) -> int:
+                got, anc, msg_flags, _ = sock.recvmsg_into([view], _ANC_SPACE,
+                                                           socket.MSG_CMSG_CLOEXEC)
+                for level, typ, data in anc:
+                    if level == socket.SOL_SOCKET and typ == socket.SCM_RIGHTS:
+                        fds = array.array("i")
+                        fds.frombytes(data[:len(data) - len(data) % fds.itemsize])
+                        fdq.extend(fds)
+                if msg_flags & socket.MSG_CTRUNC:
+                    raise ProtocolError("descriptors from the peer were truncated")
+                return got
+        else:
+            recv_into = sock.recv_into
 
         def fill(need: int) -> None:
             """Make ``need`` bytes available at ``start`` (need <= len(buf))."""
@@ -263,7 +383,7 @@ class Connection:
                 mv[0:n] = mv[start:end]
                 start, end = 0, n
             while end - start < need:
-                got = sock.recv_into(mv[end:])
+                got = recv_into(mv[end:])
                 if not got:
                     raise EOFError(f"rank {self.peer_rank} closed the connection")
                 end += got
@@ -281,7 +401,7 @@ class Connection:
                 batch, frames = frames, []
                 on_frames(self, batch, False)
             while off < n:
-                got = sock.recv_into(dst[off:])
+                got = recv_into(dst[off:])
                 if not got:
                     raise EOFError(f"rank {self.peer_rank} closed the connection mid-frame")
                 off += got
@@ -326,7 +446,24 @@ class Connection:
                 payload = big
             release = 0
             for n in lens:
-                if n & F.REMOTE_BIT:
+                if n & F.SHM_BIT:
+                    if not self.shm_recv:
+                        raise ProtocolError("peer sent a shared-memory buffer on a connection "
+                                            "without that channel")
+                    n &= F.LEN_MASK
+                    ref = bytearray(F.SHM_REF.size)
+                    read_exact_into(memoryview(ref))
+                    seg_id, seg_size, offset, how = F.SHM_REF.unpack(ref)
+                    if how == shm.HOW_FD:
+                        if not fdq:
+                            raise ProtocolError("shared-memory buffer arrived without its "
+                                                "descriptor")
+                        t = shm.import_fd(self, fdq.popleft(), seg_id, seg_size, offset, n)
+                    elif how == shm.HOW_BACK:
+                        t = shm.import_back(self, seg_id, offset, n)
+                    else:
+                        raise ProtocolError(f"unknown shared-memory buffer mode {how}")
+                elif n & F.REMOTE_BIT:
                     if self.cma_pid is None:
                         raise ProtocolError("peer sent a CMA buffer on a connection without CMA")
                     n &= ~F.REMOTE_BIT
@@ -347,8 +484,11 @@ class Connection:
             if release:
                 self._defer(self.send_release, release)
             if kind == F.K_RELEASE:
-                with self._qlock:
-                    self._cma_hold.pop(rid, None)
+                if flags & F.F_SHM:
+                    shm.release(self, rid)
+                else:
+                    with self._qlock:
+                        self._cma_hold.pop(rid, None)
                 continue
             if kind == F.K_CONTROL and (rid == F.CTRL_PING or rid == F.CTRL_PONG):
                 self.heartbeats_in += 1
@@ -356,7 +496,7 @@ class Connection:
                     self._defer(self.send_control, F.CTRL_PONG)
                 continue
             self.frames_in += 1
-            self.bytes_in += header_size + 8 * nbufs + plen + sum(n & ~F.REMOTE_BIT for n in lens)
+            self.bytes_in += header_size + 8 * nbufs + plen + sum(n & F.LEN_MASK for n in lens)
             if kind == F.K_GOODBYE:
                 self.goodbye_received = True
             frames.append((kind, flags, rid, payload, tensors))
@@ -379,9 +519,13 @@ class Connection:
                 return
             self.closed = True
             self.close_reason = reason
-            self._queue = []
+            dropped, self._queue = self._queue, []
+            self._fd_frames = 0
             self._keep = []
             self._cma_hold.clear()
+        _close_fds(dropped)
+        if self.shm_send or self.shm_recv:
+            shm.connection_closed(self)
         try:
             self.sock.shutdown(socket.SHUT_RDWR)
         except OSError:
@@ -399,12 +543,31 @@ class Connection:
             self._reader_done.wait(timeout)
 
 
-def _sendall(sock: socket.socket, parts: list) -> None:
-    """Write every part, in order, with as few ``sendmsg`` calls as the kernel allows."""
+def _sendall_fds(sock: socket.socket, parts: list) -> None:
+    """``_sendall`` for a queue holding ``_Fds`` markers: each marker starts a
+    new ``sendmsg`` that carries its descriptors with the frame that follows."""
+    start, anc = 0, None
+    for i, p in enumerate(parts):
+        if type(p) is _Fds:
+            if i > start:
+                _sendall(sock, parts[start:i], anc)
+            anc = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", p.fds))]
+            start = i + 1
+    if start < len(parts):
+        _sendall(sock, parts[start:], anc)
+
+
+def _sendall(sock: socket.socket, parts: list, anc=None) -> None:
+    """Write every part, in order, with as few ``sendmsg`` calls as the kernel allows
+    (``anc``: ancillary data for the first one)."""
     i, n = 0, len(parts)
     while i < n:
         chunk = parts[i:i + _IOV_MAX]
-        sent = sock.sendmsg(chunk)
+        if anc:
+            sent = sock.sendmsg(chunk, anc)
+            anc = None
+        else:
+            sent = sock.sendmsg(chunk)
         # consume `sent` bytes from the chunk
         j = 0
         for p in chunk:

@@ -27,7 +27,8 @@ from .._errors import ProtocolError
 MAGIC = b"TW"
 # 2: the handshake became an HMAC challenge-response (CHALLENGE frame, see auth.py).
 # 3: CONTROL frames carry the heartbeat (PING / PONG, see _liveness.py).
-VERSION = 3
+# 4: shared-memory buffers (SHM_BIT, SHM_REF; RELEASE with the SHM flag).
+VERSION = 4
 
 HEADER = struct.Struct("<2sBBIQQII")
 HEADER_SIZE = HEADER.size  # 32
@@ -47,7 +48,8 @@ class Kind(enum.IntEnum):
     RESPONSE = 4  # reply to REQUEST with the same request id
     GOODBYE = 5  # orderly close: the sender will send nothing more
     CONTROL = 6  # wire-level liveness: the request id is a ControlOp (PING or PONG)
-    RELEASE = 7  # wire level: the receiver has read the CMA buffers of token <request id>
+    RELEASE = 7  # wire level: the receiver has read the CMA buffers of token <request id>,
+    #              or (SHM flag) has unmapped one lease of shared-memory segment <request id>
     CHALLENGE = 8  # connection opening, server first: its rank and a fresh nonce
 
 
@@ -62,6 +64,7 @@ class Flags(enum.IntFlag):
     NONE = 0
     ERROR = 1  # RESPONSE carries an exception description, not a value
     CMA = 2  # some buffers stay in the sender's memory: see REMOTE_BIT
+    SHM = 4  # RELEASE: of a shared-memory segment, not of a CMA token
 
 
 # Plain ints for the hot path (enum attribute access costs a dict lookup).
@@ -77,11 +80,19 @@ CTRL_PING = int(ControlOp.PING)
 CTRL_PONG = int(ControlOp.PONG)
 F_ERROR = int(Flags.ERROR)
 F_CMA = int(Flags.CMA)
+F_SHM = int(Flags.SHM)
 # In a CMA frame, a buffer length with this bit set is a buffer the receiver reads
 # from the sender's memory; the stream then carries 16 bytes instead of the
 # buffer: its address and the frame's release token (both u64).
 REMOTE_BIT = 1 << 63
 REMOTE_REF = struct.Struct("<QQ")
+# A buffer length with this bit set is a buffer in a shared-memory segment (see
+# _wire/shm.py); the stream carries SHM_REF instead: segment id, segment size,
+# offset of the buffer in it, and how it travels (1: the segment's descriptor
+# rides with the frame, SCM_RIGHTS; 2: a segment of the receiver's own).
+SHM_BIT = 1 << 62
+SHM_REF = struct.Struct("<QQQQ")
+LEN_MASK = ~(REMOTE_BIT | SHM_BIT)
 _KINDS = frozenset(int(k) for k in Kind)
 
 
@@ -123,7 +134,7 @@ def decode_buffer_lens(data, nbufs: int, payload_len: int,
                        max_message_size: int = DEFAULT_MAX_MESSAGE_SIZE) -> list[int]:
     """Parse the buffer-length table and check the frame's total size."""
     lens = list(struct.unpack_from(f"<{nbufs}Q", data)) if nbufs else []
-    total = payload_len + sum(n & ~REMOTE_BIT for n in lens)
+    total = payload_len + sum(n & LEN_MASK for n in lens)
     if total > max_message_size:
         raise ProtocolError(f"frame of {total} bytes exceeds max message size {max_message_size}")
     return lens

@@ -56,8 +56,13 @@ class TorchwireRpcBackendOptions(RpcBackendOptions):
         _transports: transports a connection may use, of ``"uds"`` (Unix socket, same
             host) and ``"tcp"``; ``None`` = all (Unix socket whenever the peer is on
             this host).  ``["tcp"]`` forces TCP, for tests and benchmarks.
-        _channels: how large buffers may travel, of ``"cma"`` (cross-memory attach,
-            same host) and ``"socket"``; ``None`` = all.
+        _channels: how large buffers may travel to a same-host peer, of ``"shm"``
+            (shared-memory segments, one copy; the default), ``"cma"`` (cross-memory
+            attach, one copy) and ``"socket"`` (torch's name ``"basic"`` too); ``None``
+            = all, best first.  Across hosts buffers always go through the socket.
+        _channel_threshold: buffers of at least this many bytes leave the socket
+            stream for the ``shm`` or ``cma`` channel; ``None``: 1 MiB for ``shm``,
+            256 KiB for ``cma`` (each where it beats the other on the machines measured).
         max_message_size: largest frame (payload + tensors) accepted from a peer, in bytes.
         listen_addr: interface address to listen on; by default the one that routes to
             the rendezvous host (``127.0.0.1`` when that is loopback or for ``file://``).
@@ -83,7 +88,7 @@ class TorchwireRpcBackendOptions(RpcBackendOptions):
     def __init__(self, *, num_worker_threads: int = DEFAULT_NUM_WORKER_THREADS,
                  rpc_timeout: float = DEFAULT_RPC_TIMEOUT_SEC,
                  init_method: str = DEFAULT_INIT_METHOD, device_maps=None, devices=None,
-                 _transports=None, _channels=None,
+                 _transports=None, _channels=None, _channel_threshold: int | None = None,
                  max_message_size: int = DEFAULT_MAX_MESSAGE_SIZE,
                  listen_addr: str | None = None, init_timeout: float | None = None,
                  auth_secret: str | bytes | None = None, handshake_timeout: float = 10.0,
@@ -118,6 +123,12 @@ class TorchwireRpcBackendOptions(RpcBackendOptions):
         self.devices = [_devices.to_device(d) for d in (devices or [])]
         self._transports = _transports
         self._channels = _channels
+        if _channel_threshold is not None and (
+                isinstance(_channel_threshold, bool) or not isinstance(_channel_threshold, int)
+                or _channel_threshold < 1):
+            raise ValueError(f"_channel_threshold must be a positive int (bytes), got "
+                             f"{_channel_threshold!r}")
+        self._channel_threshold = _channel_threshold
         self.max_message_size = int(max_message_size)
         self.listen_addr = listen_addr
         self.init_timeout = init_timeout
@@ -152,3 +163,14 @@ class TorchwireRpcBackendOptions(RpcBackendOptions):
 
 
 TensorPipeRpcBackendOptions = TorchwireRpcBackendOptions
+
+
+_CHANNEL_ALIASES = {"basic": "socket"}
+
+
+def channel_allowed(options, name: str) -> bool:
+    """Does ``options._channels`` allow channel ``name`` (``None`` allows all)?"""
+    channels = getattr(options, "_channels", None)
+    if channels is None:
+        return True
+    return name in {_CHANNEL_ALIASES.get(c, c) for c in channels}

@@ -19,12 +19,13 @@ from .._errors import RendezvousError, RpcStateError
 from .._future import Future
 from .._rref import RRef
 from .._rendezvous import check_worker_name, join, open_store
-from .._wire import cma
+from .._wire import cma, shm
 from .._wire.auth import JobAuth
 from .._wire.listener import Listener, host_identity
 from .._worker_info import WorkerInfo
 from . import _gather
 from ._gather import _all_gather, _barrier, _wait_all_workers  # noqa: F401 - torch's private API
+from ._options import channel_allowed
 from ._options import (DEFAULT_SHUTDOWN_TIMEOUT, UNSET_RPC_TIMEOUT, BackendType,
                        RpcBackendOptions, TorchwireRpcBackendOptions)
 
@@ -140,7 +141,8 @@ def init_rpc(name, backend=None, rank=-1, world_size=None, rpc_backend_options=N
                 tcp[0] = _route_host(store_host)
             record = {"name": name, "rank": rank, "host": host_identity(),
                       "tcp": tcp, "unix": listener.unix_address,
-                      "pid": os.getpid(), "cma": cma.probe_record(), "security": auth.record()}
+                      "pid": os.getpid(), "cma": cma.probe_record(), "security": auth.record(),
+                      "shm": shm.available() and channel_allowed(options, "shm")}
             record.update(_devices.encode(options.device_maps, options.devices))
             records, job = join(store, rank, world_size, record,
                                max(0.001, deadline - time.monotonic()))
