@@ -36,6 +36,11 @@ ECHO_SIZES = [
     ("256MiB", 256 << 20),
     ("1GiB", 1 << 30),
 ]
+# The same sweep with the network channel forced (TCP, buffers through the socket).
+NET_ECHO_SIZES = ECHO_SIZES[1:]
+# Options that force it, understood by both libraries (torch's names: "uv" is
+# TensorPipe's TCP transport, "basic" its through-the-socket channel).
+NET_OPTIONS = {"_transports": ["uv"], "_channels": ["basic"]}
 
 
 def _import_lib(lib: str, cfg: dict):
@@ -192,13 +197,24 @@ def _run_metrics(rpc, cfg, q):
     metric("async_noop_calls_per_s", _median(rates), reps=[round(r) for r in rates],
            n=n_async)
 
-    # 5. tensor echo bandwidth ------------------------------------------------
-    from _bench_funcs import reset_peak_rss, rss_mib
+    _echo_sweep(rpc, cfg, q, ECHO_SIZES, "")
 
-    for label, nbytes in ECHO_SIZES:
+
+def _echo_sweep(rpc, cfg, q, sizes, prefix):
+    """Tensor echo bandwidth for each ``(label, bytes)``; metrics named
+    ``{prefix}echo_{label}_GBps``; the 1 GiB same-host echo also records peak RSS."""
+    import torch
+
+    from _bench_funcs import echo, reset_peak_rss, rss_mib
+
+    def metric(name, value, **extra):
+        q.put(("metric", name, value, extra))
+
+    for label, nbytes in sizes:
         iters = cfg["echo_iters"][label]
         x = torch.empty(nbytes // 4).uniform_()
-        if label == "1GiB":  # peak RSS of both processes during this echo, above idle
+        track_rss = label == "1GiB" and not prefix
+        if track_rss:  # peak RSS of both processes during this echo, above idle
             idle = (rss_mib()[0], rpc.rpc_sync("worker1", rss_mib)[0])
             reset_peak_rss()
             rpc.rpc_sync("worker1", reset_peak_rss)
@@ -217,9 +233,9 @@ def _run_metrics(rpc, cfg, q):
                 raise AssertionError(f"{label} echo returned {y.numel()} elements")
             del y
         med = _median(times)
-        metric(f"echo_{label}_GBps", 2 * nbytes / med / 1e9, iters=iters,
+        metric(f"{prefix}echo_{label}_GBps", 2 * nbytes / med / 1e9, iters=iters,
                median_s=med, times_s=[round(t, 6) for t in times])
-        if label == "1GiB":
+        if track_rss:
             peak = (rss_mib()[1], rpc.rpc_sync("worker1", rss_mib)[1])
             metric("echo_1GiB_caller_peak_rss_MiB", peak[0] - idle[0], idle=idle[0])
             metric("echo_1GiB_callee_peak_rss_MiB", peak[1] - idle[1], idle=idle[1])
@@ -242,13 +258,17 @@ def child_main(lib, rank, port, cfg, q):
             init_method=f"tcp://127.0.0.1:{port}",
             num_worker_threads=16,
             rpc_timeout=cfg["rpc_timeout"],
+            **(NET_OPTIONS if cfg.get("network") else {}),
         )
         t0 = time.perf_counter()
         rpc.init_rpc(f"worker{rank}", rank=rank, world_size=2, rpc_backend_options=opts)
         q.put(("ready", rank, time.perf_counter() - t0))
         if rank == 0:
             where = "metrics"
-            _run_metrics(rpc, cfg, q)
+            if cfg.get("network"):
+                _echo_sweep(rpc, cfg, q, NET_ECHO_SIZES, "net_")
+            else:
+                _run_metrics(rpc, cfg, q)
         where = "shutdown"
         t0 = time.perf_counter()
         rpc.shutdown()

@@ -71,8 +71,7 @@ def test_ten_thousand_transfers_leave_no_fd_segment_or_memory_behind(channel):
 
     results = run_world(body, 2, timeout=180, _channels=CHANNELS[channel])
     for before, after in results:
-        for (fds0, rss0, shm0, maps0, _), (fds1, rss1, shm1, maps1, cached) in zip(before,
-                                                                                    after):
+        for (fds0, rss0, shm0, _, _), (fds1, rss1, shm1, maps1, cached) in zip(before, after):
             assert fds1 <= fds0, f"file descriptors grew: {fds0} -> {fds1}"
             assert maps1 == 0, f"{maps1} shared-memory segments still mapped"
             assert cached <= 4, f"{cached} segments cached for 2 sizes of buffer"

@@ -189,6 +189,9 @@ class RpcAgent:
             "bytes_out": sum(c.bytes_out for c in conns),
             "bytes_in": sum(c.bytes_in for c in conns),
             "transports": sorted({c.transport for c in conns}),
+            "channels": sorted({"shm" if c.shm_send else "cma" if c.cma_pid is not None
+                                else "socket" for c in conns}),
+            "shm": shm.stats(),
         }
 
     # ------------------------------------------------------------------ start

@@ -13,7 +13,8 @@ view over it is freed, torch releases the memoryview, and a weak-reference
 callback on it puts the bytearray back in the pool.  (A fresh view per use
 matters: Python runs an object's finalizer at most once, so an object that
 resurrected itself from ``__del__`` would be lost on its second death.)  The
-pool is bounded (``MAX_CACHED_BYTES``); a buffer that does not fit is freed.
+pool is bounded (``MAX_CACHED_BYTES``): a returning buffer evicts the oldest
+ones until it fits (one larger than the bound is freed).
 """
 
 from __future__ import annotations
@@ -63,9 +64,14 @@ class _Pool:
                 if entry is None:
                     return
                 blk = entry[1]
-                if self.cached + len(blk) <= self.limit:
-                    self.blocks.append(blk)
-                    self.cached += len(blk)
+                if len(blk) > self.limit:
+                    return
+                # The most recent buffer is the likeliest to be needed again (the
+                # same transfer repeating): make room for it by dropping the oldest.
+                while self.blocks and self.cached + len(blk) > self.limit:
+                    self.cached -= len(self.blocks.pop(0))
+                self.blocks.append(blk)
+                self.cached += len(blk)
 
         with self.lock:
             self.leases[key] = (weakref.ref(view, returned), block)
