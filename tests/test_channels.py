@@ -133,3 +133,23 @@ def test_transport_choice_and_large_transfer(transports, expected):
         assert uses_cma is (expected == "unix" and cma.available())
         assert uses_shm is (expected == "unix" and shm.available())
         assert equal
+
+
+@pytest.mark.parametrize("lanes", [True, False])
+def test_tcp_lanes_split_large_buffers(lanes):
+    """Over TCP, buffers of 8 MiB or more travel half on the connection and half on a
+    lane (a second connection to the same peer); both workers send at once."""
+    def body(rank, world_size):
+        other = f"worker{1 - rank}"
+        torch.manual_seed(rank)
+        value = [torch.randn(5 << 20), torch.arange(3 << 20, dtype=torch.int64)[1::3],
+                 torch.ones(7), torch.randn(9 << 20, dtype=torch.float64)]
+        futs = [rpc.rpc_async(other, echo, args=(value,)) for _ in range(3)]
+        ok = all(_equal(value, f.wait()) for f in futs)
+        agent = rpc.api._get_current_rpc_agent()
+        return ok, len(agent._lanes_out), agent._peers[1 - rank].out.transport
+
+    for ok, lanes_open, transport in run_world(body, 2, _transports=["tcp"],
+                                               _tcp_lanes=lanes):
+        assert ok and transport == "tcp"
+        assert (lanes_open >= 1) if lanes else (lanes_open == 0)

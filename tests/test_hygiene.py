@@ -79,12 +79,13 @@ def test_ten_thousand_transfers_leave_no_fd_segment_or_memory_behind(channel):
             assert rss1 - rss0 < 64 << 20, f"RSS grew by {(rss1 - rss0) >> 20} MiB"
 
 
-def test_a_peer_dying_mid_transfer_leaves_the_survivor_clean():
+@pytest.mark.parametrize("link", [{"_channels": ["cma"]}, {"_transports": ["tcp"]}],
+                         ids=["unix-cma", "tcp-lanes"])
+def test_a_peer_dying_mid_transfer_leaves_the_survivor_clean(link):
     def body(rank, world_size, init_method):
         from _cluster import die, options
         rpc.init_rpc(f"worker{rank}", rank=rank, world_size=world_size,
-                     rpc_backend_options=options(init_method, rpc_timeout=20,
-                                                 _channels=["cma"]))
+                     rpc_backend_options=options(init_method, rpc_timeout=20, **link))
         big = torch.ones(64 << 20, dtype=torch.uint8)  # 64 MiB
         if rank == 1:
             rpc.rpc_sync("worker0", echo, args=(torch.ones(4),))

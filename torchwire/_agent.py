@@ -61,7 +61,7 @@ from ._timer import DeadlineTimer
 from ._wire import cma, shm
 from ._wire import frame as F
 from ._wire.auth import JobAuth, client_handshake, server_handshake
-from ._wire.connection import Connection
+from ._wire.connection import Connection, LaneRegistry
 from ._wire.listener import Listener, connect_tcp, connect_unix, host_identity
 from ._worker_info import WorkerInfo
 from .rpc._options import channel_allowed
@@ -165,6 +165,9 @@ class RpcAgent:
         self._use_shm = channel_allowed(options, "shm") and shm.available()
         if self._use_shm:
             shm.prepare()
+        self._lanes = LaneRegistry()
+        self._lanes_out: list[Connection] = []
+        self._use_lanes = bool(getattr(options, "_tcp_lanes", True))
         self._channel_min = getattr(options, "_channel_threshold", None)
         transports = getattr(options, "_transports", None)
         # torch's names: "shm" is its same-host transport, "uv" its TCP one.
@@ -344,11 +347,12 @@ class RpcAgent:
                 peer.out = self._connect(peer)
         self._health.mark_up(rank)
 
-    def _connect(self, peer: _Peer) -> Connection:
+    def _connect(self, peer: _Peer, lane: bool = False) -> Connection:
         rec = peer.record
         timeout = min(self.rpc_timeout, 30.0) if self.rpc_timeout > 0 else 30.0
         try:
-            if rec.get("host") == self._host and rec.get("unix") and self._use_unix:
+            if rec.get("host") == self._host and rec.get("unix") and self._use_unix \
+                    and not lane:
                 sock = connect_unix(rec["unix"], timeout)
                 transport = "unix"
             else:
@@ -368,8 +372,27 @@ class RpcAgent:
                           max_message_size=self.max_message_size, initiated=True,
                           transport=transport, cma_pid=self._cma_pid(peer.record, transport),
                           defer=self._pool.submit, spawn=self._spawn_reader,
-                          **self._shm_args(peer.record, transport))
+                          **self._shm_args(peer.record, transport),
+                          **self._lane_args(peer.info.id, transport, lane))
         conn.start()
+        return conn
+
+    def _lane_args(self, rank: int, transport: str, lane: bool = False) -> dict:
+        """Every connection receives split buffers; a TCP connection (not a lane
+        itself) splits its large buffers over a lane it opens on first need."""
+        if transport != "tcp" or lane or not self._use_lanes:
+            return {"lanes": self._lanes}
+        return {"lanes": self._lanes, "lane_factory": lambda: self._open_lane(rank)}
+
+    def _open_lane(self, rank: int) -> Connection:
+        """A second TCP connection to ``rank`` for the second half of large buffers."""
+        if self.state is not AgentState.RUNNING:
+            raise RpcStateError("RPC agent is not running")
+        conn = self._connect(self._peers[rank], lane=True)
+        with self._conn_lock:
+            if self.state is not AgentState.RUNNING:
+                conn.close()
+            self._lanes_out.append(conn)
         return conn
 
     def _spawn_reader(self, read_loop) -> None:
@@ -592,7 +615,8 @@ class RpcAgent:
                           transport=transport,
                           cma_pid=self._cma_pid(self._peers[rank].record, transport),
                           defer=self._pool.submit, spawn=self._spawn_reader,
-                          **self._shm_args(self._peers[rank].record, transport))
+                          **self._shm_args(self._peers[rank].record, transport),
+                          **self._lane_args(rank, transport))
         with self._conn_lock:
             if self.state is AgentState.CLOSED:
                 conn.close()
@@ -604,6 +628,8 @@ class RpcAgent:
         """Reader thread, once per connection: fail what depended on it."""
         with self._conn_lock:
             self._incoming.discard(conn)
+            if conn in self._lanes_out:
+                self._lanes_out.remove(conn)
         peer = self._peers[conn.peer_rank]
         if peer.out is conn:
             with peer.lock:
@@ -635,7 +661,7 @@ class RpcAgent:
         first = self._health.mark_down(rank, why, dead)
         err = self._unavailable(rank, why)
         with self._conn_lock:
-            conns = [c for c in self._incoming if c.peer_rank == rank]
+            conns = [c for c in list(self._incoming) + self._lanes_out if c.peer_rank == rank]
         out = self._peers[rank].out  # not under peer.lock: a connect may hold it
         if out is not None:
             conns.append(out)
@@ -835,7 +861,7 @@ class RpcAgent:
     def _close_local(self) -> None:
         with self._conn_lock:
             self.state = AgentState.CLOSED
-            conns = list(self._incoming)
+            conns = list(self._incoming) + self._lanes_out
         self._listener.close()
         for p in self._peers:
             with p.lock:

@@ -40,6 +40,8 @@ _IOV_MAX = 1000
 CMA_MIN = 256 * 1024  # smaller buffers are cheaper inline than a syscall + a RELEASE
 SHM_MIN = 1 << 20  # below this, mapping + unmapping costs more than CMA's copy
 _MAX_FDS = 250  # descriptors per frame (the kernel takes at most 253 per sendmsg)
+LANE_MIN = 8 << 20  # TCP buffers from this size are split over the connection and a lane
+_LANE_PENDING_MAX = 256  # split buffers a peer may have half-sent at once
 _ANC_SPACE = socket.CMSG_SPACE(253 * 4) if hasattr(socket, "CMSG_SPACE") else 0
 
 
@@ -61,6 +63,61 @@ class _Fds:
                 os.close(fd)
             except OSError:
                 pass
+
+
+class _Transfer:
+    __slots__ = ("tensor", "view", "parts", "error", "done")
+
+    def __init__(self, n: int) -> None:
+        self.tensor = receive_buffer(n)
+        self.view = byte_view(self.tensor, n)
+        self.parts = 0
+        self.error: BaseException | None = None
+        self.done = threading.Event()
+
+
+class LaneRegistry:
+    """Large TCP buffers being received in two parts, on two connections with the
+    same peer (a "lane": a second TCP connection whose reader runs in parallel
+    with the first's, so that both cores copy).  Whichever part arrives first
+    allocates the buffer; the reader of the main part waits for the other.
+
+    One registry per agent, shared by every connection.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._pending: dict[tuple[int, int], _Transfer] = {}
+
+    def get(self, peer: int, tid: int, n: int) -> _Transfer:
+        with self._lock:
+            tr = self._pending.get((peer, tid))
+            if tr is None:
+                if sum(1 for p, _ in self._pending if p == peer) >= _LANE_PENDING_MAX:
+                    raise ProtocolError(f"rank {peer} has too many split buffers in flight")
+                tr = self._pending[(peer, tid)] = _Transfer(n)
+            elif len(tr.view) != n:
+                raise ProtocolError(f"split buffer {tid} from rank {peer}: sizes disagree")
+            return tr
+
+    def part_done(self, peer: int, tid: int, tr: _Transfer) -> bool:
+        """One part is in; True (and forgotten) when both are."""
+        with self._lock:
+            tr.parts += 1
+            if tr.parts < 2:
+                return False
+            self._pending.pop((peer, tid), None)
+        tr.done.set()
+        return True
+
+    def fail_peer(self, peer: int, exc: BaseException) -> None:
+        """A connection with ``peer`` closed: no split buffer from it can complete."""
+        with self._lock:
+            gone = [k for k in self._pending if k[0] == peer]
+            trs = [self._pending.pop(k) for k in gone]
+        for tr in trs:
+            tr.error = exc
+            tr.done.set()
 
 
 def _close_fds(parts) -> None:
@@ -88,7 +145,8 @@ class Connection:
                  max_message_size: int = F.DEFAULT_MAX_MESSAGE_SIZE, initiated: bool,
                  transport: str, cma_pid: int | None = None, defer=None,
                  spawn=None, shm_send: bool = False, shm_recv: bool = False,
-                 channel_min: int = CMA_MIN, shm_min: int = SHM_MIN) -> None:
+                 channel_min: int = CMA_MIN, shm_min: int = SHM_MIN,
+                 lanes: LaneRegistry | None = None, lane_factory=None) -> None:
         self.sock = sock
         self.peer_rank = peer_rank
         self.initiated = initiated
@@ -116,6 +174,13 @@ class Connection:
         self.shm_recv = bool(shm_recv and plain and shm.available())
         self.channel_min = max(1, channel_min)
         self.shm_min = max(1, shm_min)
+        # TCP lanes: the registry of split buffers being received, and (on a
+        # connection we send requests on) how to open our lane to the peer.
+        self.lanes = lanes
+        self._lane_factory = lane_factory if plain else None
+        self._lane: Connection | None = None
+        self._lane_lock = threading.Lock()
+        self._lane_ids = 0
         self._fd_frames = 0  # frames in the queue that carry descriptors
         self._fdq: collections.deque = collections.deque()  # received, not yet used
         self.frames_in = 0
@@ -156,6 +221,9 @@ class Connection:
         if tensors:
             lens = [t.nbytes for t in tensors]
             big = max(lens)
+            if big >= LANE_MIN and self._lane_factory is not None and self._send_lane_frame(
+                    kind, flags, request_id, payload, tensors, lens):
+                return
             if big >= self.channel_min:
                 if self.shm_send and big >= self.shm_min and self._send_shm_frame(
                         kind, flags, request_id, payload, tensors, lens):
@@ -170,6 +238,53 @@ class Connection:
                                    0, 0), payload]
             size = F.HEADER_SIZE + len(payload)
         self._enqueue(parts, tensors, size, token)
+
+    def _get_lane(self):
+        lane = self._lane
+        if lane is not None and not lane.closed:
+            return lane
+        with self._lane_lock:
+            if self._lane is None or self._lane.closed:
+                try:
+                    self._lane = self._lane_factory()
+                except Exception as exc:  # no lane: the whole buffer goes on this connection
+                    log.debug("torchwire: no lane to rank %s: %s", self.peer_rank, exc)
+                    self._lane_factory = None
+                    return None
+            return self._lane
+
+    def _send_lane_frame(self, kind, flags, request_id, payload, tensors, lens) -> bool:
+        """Split large buffers: the first half here, the second on the lane, written
+        by another thread at the same time.  False if there is no lane."""
+        lane = self._get_lane()
+        if lane is None:
+            return False
+        wire_lens, refs, data = [], [], []
+        for t, n in zip(tensors, lens):
+            if n >= LANE_MIN:
+                with self._lane_lock:
+                    self._lane_ids += 1
+                    tid = self._lane_ids
+                split = n // 2 // 4096 * 4096
+                view = byte_view(t, n)
+                wire_lens.append(n | F.LANE_BIT)
+                refs += [F.LANE_REF.pack(tid, split), view[:split]]
+                data.append((tid, n, split, view[split:]))
+            else:
+                wire_lens.append(n)
+                refs.append(byte_view(t, n) if n else b"")
+        parts = [F.encode_header(kind, flags, request_id, len(payload), wire_lens), payload]
+        parts.extend(r for r in refs if len(r))
+        size = F.HEADER_SIZE + 8 * len(lens) + len(payload) + sum(lens)
+        lane_parts = []
+        for tid, n, split, rest in data:
+            lane_parts += [F.encode_header(F.K_DATA, 0, tid, F.LANE_DATA.size, [n - split]),
+                           F.LANE_DATA.pack(n, split), rest]
+        # The lane's half goes from a copier thread while this one writes its own half;
+        # both hold the tensors until written.
+        _lane_writer().submit(_write_lane, lane, lane_parts, tensors)
+        self._enqueue(parts, tensors, size, 0)
+        return True
 
     def _send_shm_frame(self, kind, flags, request_id, payload, tensors, lens) -> bool:
         """Send large buffers through shared-memory segments; False (nothing sent)
@@ -329,6 +444,9 @@ class Connection:
         if isinstance(exc, ProtocolError):
             log.warning("torchwire: dropping connection to rank %s: %s", self.peer_rank, exc)
         self.close(exc)
+        if self.lanes is not None:
+            self.lanes.fail_peer(self.peer_rank, exc or ConnectionClosedError(
+                f"connection to rank {self.peer_rank} closed"))
         while self._fdq:  # descriptors the peer sent for frames never read
             try:
                 os.close(self._fdq.popleft())
@@ -413,7 +531,7 @@ class Connection:
             m, ver, kind, flags, rid, plen, nbufs, _ = unpack_header(buf, start)
             if m != magic or ver != version:
                 F.decode_header(mv[start:start + header_size], maxsize)  # raises the precise error
-            if kind > F.K_CHALLENGE or kind < F.K_HELLO:
+            if kind > F.K_DATA or kind < F.K_HELLO:
                 raise ProtocolError(f"unknown frame kind {kind}")
             if plen > maxsize or nbufs > F.MAX_BUFFERS:
                 F.decode_header(mv[start:start + header_size], maxsize)
@@ -444,9 +562,46 @@ class Connection:
                 big = bytearray(plen)
                 read_exact_into(memoryview(big))
                 payload = big
+            if kind == F.K_DATA:  # the second part of a split buffer
+                if self.lanes is None or nbufs != 1 or plen != F.LANE_DATA.size:
+                    raise ProtocolError("unexpected DATA frame")
+                total, split = F.LANE_DATA.unpack(payload)
+                if split > total or lens[0] != total - split or total > maxsize:
+                    raise ProtocolError("malformed DATA frame")
+                tr = self.lanes.get(self.peer_rank, rid, total)
+                read_exact_into(tr.view[split:])
+                self.lanes.part_done(self.peer_rank, rid, tr)
+                self.bytes_in += header_size + 8 + plen + lens[0]
+                continue
             release = 0
             for n in lens:
-                if n & F.SHM_BIT:
+                if n & F.LANE_BIT:
+                    if self.lanes is None:
+                        raise ProtocolError("peer sent a split buffer on a connection "
+                                            "without lanes")
+                    n &= F.LEN_MASK
+                    ref = bytearray(F.LANE_REF.size)
+                    read_exact_into(memoryview(ref))
+                    tid, split = F.LANE_REF.unpack(ref)
+                    if split > n:
+                        raise ProtocolError("malformed split buffer")
+                    tr = self.lanes.get(self.peer_rank, tid, n)
+                    read_exact_into(tr.view[:split])
+                    if not self.lanes.part_done(self.peer_rank, tid, tr):
+                        if frames:  # deliver what is complete before waiting
+                            batch, frames = frames, []
+                            on_frames(self, batch, False)
+                            batch = None
+                        while not tr.done.wait(0.5):
+                            self.progress_in += 1
+                            if self.closed:
+                                raise ConnectionClosedError("closed while waiting for a lane")
+                    if tr.error is not None:
+                        raise ProtocolError(f"lane from rank {self.peer_rank} failed: "
+                                            f"{tr.error}")
+                    t = tr.tensor
+                    tr = None
+                elif n & F.SHM_BIT:
                     if not self.shm_recv:
                         raise ProtocolError("peer sent a shared-memory buffer on a connection "
                                             "without that channel")
@@ -541,6 +696,28 @@ class Connection:
         """Wait until reading has ended (whichever thread holds the reader role)."""
         if threading.current_thread() is not self._reader:
             self._reader_done.wait(timeout)
+
+
+_lane_pool = None
+_lane_pool_lock = threading.Lock()
+
+
+def _lane_writer():
+    global _lane_pool
+    with _lane_pool_lock:
+        if _lane_pool is None:
+            from concurrent.futures import ThreadPoolExecutor
+            _lane_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="torchwire-lane")
+        return _lane_pool
+
+
+def _write_lane(lane, parts, tensors) -> None:
+    """Write a lane's DATA frames (``tensors`` held until then).  A failed lane
+    closes: the peer's reader of the main part then fails the frame."""
+    try:
+        lane._enqueue(parts, tensors, sum(len(p) for p in parts), 0)
+    except ConnectionClosedError:
+        pass
 
 
 def _sendall_fds(sock: socket.socket, parts: list) -> None:

@@ -27,7 +27,8 @@ from .._errors import ProtocolError
 MAGIC = b"TW"
 # 2: the handshake became an HMAC challenge-response (CHALLENGE frame, see auth.py).
 # 3: CONTROL frames carry the heartbeat (PING / PONG, see _liveness.py).
-# 4: shared-memory buffers (SHM_BIT, SHM_REF; RELEASE with the SHM flag).
+# 4: shared-memory buffers (SHM_BIT, SHM_REF; RELEASE with the SHM flag); TCP lanes
+#    (LANE_BIT, LANE_REF, DATA frames).
 VERSION = 4
 
 HEADER = struct.Struct("<2sBBIQQII")
@@ -51,6 +52,8 @@ class Kind(enum.IntEnum):
     RELEASE = 7  # wire level: the receiver has read the CMA buffers of token <request id>,
     #              or (SHM flag) has unmapped one lease of shared-memory segment <request id>
     CHALLENGE = 8  # connection opening, server first: its rank and a fresh nonce
+    DATA = 9  # on a lane: the second part of a large buffer of a frame sent on another
+    #           connection to the same peer; request id = transfer id (see LANE_BIT)
 
 
 class ControlOp(enum.IntEnum):
@@ -76,6 +79,7 @@ K_GOODBYE = int(Kind.GOODBYE)
 K_CONTROL = int(Kind.CONTROL)
 K_RELEASE = int(Kind.RELEASE)
 K_CHALLENGE = int(Kind.CHALLENGE)
+K_DATA = int(Kind.DATA)
 CTRL_PING = int(ControlOp.PING)
 CTRL_PONG = int(ControlOp.PONG)
 F_ERROR = int(Flags.ERROR)
@@ -92,7 +96,14 @@ REMOTE_REF = struct.Struct("<QQ")
 # rides with the frame, SCM_RIGHTS; 2: a segment of the receiver's own).
 SHM_BIT = 1 << 62
 SHM_REF = struct.Struct("<QQQQ")
-LEN_MASK = ~(REMOTE_BIT | SHM_BIT)
+# A buffer length with this bit set is a large buffer split over two TCP
+# connections: the stream carries LANE_REF (transfer id, split) and then the
+# first ``split`` bytes; the rest arrives on a lane in a DATA frame whose
+# payload is LANE_DATA (total length, split) and whose one buffer is the rest.
+LANE_BIT = 1 << 61
+LANE_REF = struct.Struct("<QQ")
+LANE_DATA = struct.Struct("<QQ")
+LEN_MASK = ~(REMOTE_BIT | SHM_BIT | LANE_BIT)
 _KINDS = frozenset(int(k) for k in Kind)
 
 
