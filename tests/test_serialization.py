@@ -592,13 +592,13 @@ def test_header_round_trip(kind, lens):
 def test_header_layout_is_little_endian_and_fixed():
     data = F.encode_header(F.K_REQUEST, 0, 0x0102030405060708, 0x11, [0x22])
     assert F.HEADER_SIZE == 32
-    assert data[:4] == b"TW\x03\x03"  # magic, version 3, kind REQUEST
+    assert data[:4] == b"TW\x04\x03"  # magic, version 4, kind REQUEST
     assert struct.unpack_from("<I", data, 4)[0] == 0  # flags
     assert struct.unpack_from("<Q", data, 8)[0] == 0x0102030405060708
     assert struct.unpack_from("<Q", data, 16)[0] == 0x11  # payload length
     assert struct.unpack_from("<I", data, 24)[0] == 1  # number of buffers
     assert struct.unpack_from("<Q", data, 32)[0] == 0x22  # first buffer length
-    assert [int(k) for k in F.Kind] == [1, 2, 3, 4, 5, 6, 7, 8]
+    assert [int(k) for k in F.Kind] == [1, 2, 3, 4, 5, 6, 7, 8, 9]
     assert [int(op) for op in F.ControlOp] == [1, 2]
 
 
@@ -610,7 +610,7 @@ def test_wrong_magic_is_protocol_error():
         F.decode_header(b"GET / HTTP/1.1\r\nHost: example\r\n\r\n")
 
 
-@pytest.mark.parametrize("version", [0, 1, 2, 4, 255])
+@pytest.mark.parametrize("version", [0, 1, 2, 3, 5, 255])
 def test_wrong_version_is_protocol_error(version):
     data = bytearray(F.encode_header(F.K_REQUEST, 0, 1, 0, []))
     data[2] = version
@@ -618,7 +618,7 @@ def test_wrong_version_is_protocol_error(version):
         F.decode_header(bytes(data))
 
 
-@pytest.mark.parametrize("kind", [0, 9, 200, 255])
+@pytest.mark.parametrize("kind", [0, 10, 200, 255])
 def test_unknown_kind_is_protocol_error(kind):
     data = F.encode_header(kind, 0, 1, 0, [])
     with pytest.raises(torchwire.ProtocolError, match="kind"):
@@ -711,7 +711,7 @@ def test_connection_delivers_frames_with_their_tensors():
     (b"XY" + F.encode_header(F.K_REQUEST, 0, 1, 0, [])[2:], "magic"),
     (F.encode_header(F.K_REQUEST, 0, 1, 0, [])[:2] + b"\x09"
      + F.encode_header(F.K_REQUEST, 0, 1, 0, [])[3:], "version"),
-    (F.encode_header(9, 0, 1, 0, []), "kind"),
+    (F.encode_header(10, 0, 1, 0, []), "kind"),
     (F.encode_header(F.K_REQUEST, 0, 1, 5000, []), "max message size"),
     (F.encode_header(F.K_REQUEST, 0, 1, 10, [5000]), "max message size"),
 ], ids=["magic", "version", "kind", "payload_too_big", "buffers_too_big"])
