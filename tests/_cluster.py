@@ -19,6 +19,7 @@ import multiprocessing as mp
 import os
 import signal
 import tempfile
+import time
 import traceback
 
 _ctx = mp.get_context("fork")
@@ -54,6 +55,16 @@ def _kill(proc) -> None:
     if proc.is_alive():
         os.kill(proc.pid, signal.SIGKILL)
     proc.join(5)
+
+
+def wait_until(cond, timeout: float = 5.0) -> bool:
+    """Poll ``cond`` until it holds (True) or ``timeout`` seconds have passed (False)."""
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
 
 
 def new_init_method() -> str:

@@ -21,7 +21,7 @@ import torch
 import torchwire
 import torchwire.autograd as dist_autograd
 import torchwire.rpc as rpc
-from _cluster import _world_child, new_init_method, options
+from _cluster import _world_child, new_init_method, options, wait_until
 from torchwire._wire import frame as F
 from torchwire._wire.auth import JobAuth, client_handshake
 
@@ -75,15 +75,6 @@ def _reap(procs):
         if p.is_alive():
             os.kill(p.pid, signal.SIGKILL)
         p.join(5)
-
-
-def _wait(cond, limit=5.0):
-    deadline = time.monotonic() + limit
-    while not cond():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.01)
-    return True
 
 
 # ---------------------------------------------------------------- worker death (SIGKILL)
@@ -143,7 +134,7 @@ def test_sigkill_fails_everything_that_depended_on_the_worker_and_nothing_else()
             assert info.value.worker_name == "worker2"
             with pytest.raises(torchwire.WorkerUnavailableError, match="worker2"):
                 owned.rpc_sync().sum()
-            assert _wait(lambda: rpc.api._rref_context_get_debug_info()["num_forks"] == 0)
+            assert wait_until(lambda: rpc.api._rref_context_get_debug_info()["num_forks"] == 0)
             t0 = time.monotonic()
             with pytest.raises(torchwire.WorkerUnavailableError, match="worker2") as info:
                 dist_autograd.backward(cid, [y.sum()])
@@ -180,7 +171,7 @@ def test_worker_killed_before_anyone_connected_to_it_is_reported_at_once():
                      rpc_backend_options=options(init_method))
         if rank == 1:
             die("died")  # a crash: no shutdown, no GOODBYE, no connection ever opened
-        assert _wait(lambda: not _probe_alive(1), 10)
+        assert wait_until(lambda: not _probe_alive(1), 10)
         t0 = time.monotonic()
         for _ in range(3):
             with pytest.raises(torchwire.WorkerUnavailableError, match="worker1"):
