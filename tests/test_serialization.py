@@ -600,6 +600,7 @@ def test_header_layout_is_little_endian_and_fixed():
     assert struct.unpack_from("<Q", data, 32)[0] == 0x22  # first buffer length
     assert [int(k) for k in F.Kind] == [1, 2, 3, 4, 5, 6, 7, 8, 9]
     assert [int(op) for op in F.ControlOp] == [1, 2]
+    assert (F.F_ERROR, F.F_CMA, F.F_SHM, F.F_RETIRE) == (1, 2, 4, 8)
 
 
 def test_wrong_magic_is_protocol_error():

@@ -15,8 +15,11 @@ ones.  Every job is fresh (``run_world``), so counters start at zero.
 from __future__ import annotations
 
 import array
+import ctypes
 import errno
 import fcntl
+import gc
+import hashlib
 import os
 import socket
 import threading
@@ -169,6 +172,56 @@ def bump(t):
 
 def fresh(spec):
     return make(*spec)
+
+
+def fork_holder(t):
+    """Fork a child that inherits ``t`` (as a DataLoader worker inherits a dataset) and
+    waits; this process then drops ``t``."""
+    ask, answer = os.pipe(), os.pipe()
+    pid = os.fork()
+    if pid == 0:  # only os calls and C code here: other threads' locks may be held
+        os.read(ask[0], 1)
+        os.write(answer[1], hashlib.sha256(ctypes.string_at(t.data_ptr(), t.nbytes)).digest())
+        os._exit(0)
+    os.close(ask[0])
+    os.close(answer[1])
+    _held["child"] = (pid, ask[1], answer[0])
+
+
+def child_digest():
+    """The digest of the tensor the child of :func:`fork_holder` inherited, as it sees it now."""
+    pid, ask, answer = _held.pop("child")
+    os.write(ask, b"?")
+    digest = os.read(answer, 64)
+    os.waitpid(pid, 0)
+    os.close(ask)
+    os.close(answer)
+    return digest
+
+
+def fork_and_drop(key):
+    """A forked child drops its copy of the held tensor.  Returns whether the mapping
+    died there (not if a thread that was finishing the call that stored it still
+    held it at the fork) and whether the child then tried to send a RELEASE for it
+    (it holds no lease of its own)."""
+    done = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        conn = next(iter(rpc.api._get_current_rpc_agent()._incoming))
+        sent, mapped = conn.frames_out, shm.stats()["mappings"]
+        del _held[key]
+        gc.collect()
+        died = shm.stats()["mappings"] < mapped
+        posted = shm._releaser.pid == os.getpid()  # the child started a release thread
+        if posted:  # let it write what it has to before this process exits
+            wait_until(lambda: conn.frames_out > sent, 5.0)
+        os.write(done[1], bytes([died, posted]))
+        os._exit(0)
+    os.close(done[1])
+    died, posted = os.read(done[0], 2)
+    os.waitpid(pid, 0)
+    os.close(done[0])
+    return bool(died), bool(posted)
 
 
 def send_held_to(dst, key, spec):
@@ -539,6 +592,69 @@ def test_a_segment_leased_twice_is_not_reused_until_both_leases_end():
     assert sent_own == 1
     assert arrived == [True] * 4
     assert held, "the segment was reused while the callee still mapped it"
+
+
+def test_a_forked_child_of_the_receiver_keeps_what_it_inherited():
+    """(e) continued: the receiver forks (a DataLoader worker, say) while it holds a
+    received tensor, then drops its own reference.  The child still holds the tensor:
+    the sender recycling the segment must not change it.  (Through the socket or CMA
+    the child's copy is ordinary private memory.)  Both kinds of mapping: a segment
+    of the peer's (the callee forks), and one's own returned by reference (the
+    caller forks)."""
+    def body(rank, world_size):
+        if rank:
+            return None
+        size = 1 << 16
+        x = make(torch.uint8, size, 95)
+        rpc.rpc_sync("worker1", fork_holder, args=(x,))
+        assert wait_for(lambda: shm.stats()["leased"] == 0)  # released by the parent
+        y = rpc.rpc_sync("worker1", echo, args=(make(torch.uint8, size, 96),))
+        fork_holder(y)  # our own segment, mapped again: our child inherits it
+        del y
+        mine0, theirs0 = shm.stats(), rpc.rpc_sync("worker1", counters)
+        for i in range(3):
+            other = (torch.uint8, size, 97 + i)
+            rpc.rpc_sync("worker1", matches, args=(make(*other), other))
+            rpc.rpc_sync("worker1", fresh, args=(other,))
+        recycled = grew(mine0, shm.stats())["reused"]
+        theirs_recycled = grew(theirs0, rpc.rpc_sync("worker1", counters))["reused"]
+        theirs_seen, mine_seen = rpc.rpc_sync("worker1", child_digest), child_digest()
+        digest = [hashlib.sha256(bytes(make(torch.uint8, size, s).numpy())).digest()
+                  for s in (95, 96)]
+        return recycled, theirs_recycled, [theirs_seen, mine_seen] == digest
+
+    recycled, theirs_recycled, unchanged = run_world(body, 2, _channel_threshold=SMALL)[0]
+    assert recycled >= 1 and theirs_recycled >= 1
+    assert unchanged, "a later transfer changed a tensor a forked child holds"
+
+
+def test_a_forked_child_dropping_an_inherited_tensor_ends_no_lease():
+    """The child of a fork drops a received tensor it inherited while the receiver still
+    holds it: the child must send nothing (on connections it inherited) and end no
+    lease, or the sender recycles the segment under the receiver's tensor."""
+    def body(rank, world_size):
+        if rank:
+            return None
+        size, tries = 1 << 16, []
+        for i in range(5):  # until the child's copy of the mapping dies there
+            rpc.rpc_sync("worker1", store, args=(i, make(torch.uint8, size, 100 + i)))
+            rpc.rpc_sync("worker1", counters)  # the thread that stored it is done
+            tries.append(rpc.rpc_sync("worker1", fork_and_drop, args=(i,)))
+            if tries[-1][0]:
+                break
+        leased = shm.stats()["leased"]
+        for i in range(3):
+            other = (torch.uint8, size, 110 + i)
+            rpc.rpc_sync("worker1", matches, args=(make(*other), other))
+        held = [rpc.rpc_sync("worker1", held_matches, args=(i, (torch.uint8, size, 100 + i)))
+                for i in range(len(tries))]
+        return tries, leased, held
+
+    tries, leased, held = run_world(body, 2, _channel_threshold=SMALL)[0]
+    assert tries[-1][0], f"the child's mapping never died: {tries}"
+    assert not any(posted for _, posted in tries), "a forked child sent a RELEASE"
+    assert leased == len(tries), "a forked child ended its parent's lease"
+    assert all(held), "the sender recycled a segment under the receiver's tensor"
 
 
 def test_a_received_tensor_sent_on_another_connection_arrives_intact():

@@ -353,11 +353,13 @@ class Connection:
         except ConnectionClosedError:
             pass
 
-    def send_release(self, token: int, shm: bool = False) -> None:
+    def send_release(self, token: int, shm: bool = False, retire: bool = False) -> None:
         """Tell the peer we have read the buffers of CMA ``token`` (it may free
-        them), or (``shm``) unmapped one lease of its segment ``token``."""
+        them), or (``shm``) unmapped one lease of its segment ``token`` (``retire``:
+        a process we forked may still map it, so it must not be written again)."""
+        flags = (F.F_SHM | (F.F_RETIRE if retire else 0)) if shm else 0
         try:
-            self._enqueue([F.HEADER.pack(F.MAGIC, F.VERSION, F.K_RELEASE, F.F_SHM if shm else 0,
+            self._enqueue([F.HEADER.pack(F.MAGIC, F.VERSION, F.K_RELEASE, flags,
                                          token, 0, 0, 0)], (), F.HEADER_SIZE, 0)
         except ConnectionClosedError:
             pass
@@ -640,7 +642,7 @@ class Connection:
                 self._defer(self.send_release, release)
             if kind == F.K_RELEASE:
                 if flags & F.F_SHM:
-                    shm.release(self, rid)
+                    shm.release(self, rid, bool(flags & F.F_RETIRE))
                 else:
                     with self._qlock:
                         self._cma_hold.pop(rid, None)

@@ -68,6 +68,7 @@ class Flags(enum.IntFlag):
     ERROR = 1  # RESPONSE carries an exception description, not a value
     CMA = 2  # some buffers stay in the sender's memory: see REMOTE_BIT
     SHM = 4  # RELEASE: of a shared-memory segment, not of a CMA token
+    RETIRE = 8  # RELEASE (SHM): a process the receiver forked may still map the segment
 
 
 # Plain ints for the hot path (enum attribute access costs a dict lookup).
@@ -85,6 +86,7 @@ CTRL_PONG = int(ControlOp.PONG)
 F_ERROR = int(Flags.ERROR)
 F_CMA = int(Flags.CMA)
 F_SHM = int(Flags.SHM)
+F_RETIRE = int(Flags.RETIRE)
 # In a CMA frame, a buffer length with this bit set is a buffer the receiver reads
 # from the sender's memory; the stream then carries 16 bytes instead of the
 # buffer: its address and the frame's release token (both u64).

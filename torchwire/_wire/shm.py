@@ -29,6 +29,11 @@ when the last descriptor and mapping anywhere are gone, so a peer that dies
 leaves nothing behind; a segment leased to a peer whose connection closed is
 never written again (the peer may still be mapping it) and is closed once this
 process no longer maps it either.
+
+A fork copies this process's private mappings into the child, where no lease
+covers them: a mapping alive at a fork is *retired* when it dies here (its
+segment closed rather than recycled, so no later transfer writes under the
+child's copy), and a child never releases what it inherited.
 """
 
 from __future__ import annotations
@@ -184,12 +189,14 @@ class _Segment:
 class _Mapping:
     """A private mapping this process holds of a segment (received or its own)."""
 
-    __slots__ = ("base", "length", "seg_id", "seg_off", "conn", "own")
+    __slots__ = ("base", "length", "seg_id", "seg_off", "conn", "own", "pid", "forked")
 
     def __init__(self, base, length, seg_id, seg_off, conn, own) -> None:
         self.base, self.length = base, length
         self.seg_id, self.seg_off = seg_id, seg_off
         self.conn, self.own = conn, own
+        self.pid = os.getpid()  # a forked child's copy holds no lease
+        self.forked = False  # alive at a fork: a child may still map it
 
 
 class _Releaser:
@@ -207,8 +214,8 @@ class _Releaser:
         self.items: collections.deque = collections.deque()
         self.wfd = -1
 
-    def post(self, conn, seg_id: int) -> None:
-        self.items.append((conn, seg_id))
+    def post(self, conn, seg_id: int, retire: bool) -> None:
+        self.items.append((conn, seg_id, retire))
         self.start()
         try:
             os.write(self.wfd, b"r")
@@ -232,9 +239,9 @@ class _Releaser:
         while True:
             os.read(rfd, 4096)
             while self.items:
-                conn, seg_id = self.items.popleft()
+                conn, seg_id, retire = self.items.popleft()
                 try:
-                    conn.send_release(seg_id, shm=True)
+                    conn.send_release(seg_id, shm=True, retire=retire)
                 except Exception:  # a closed connection: its peer's leases ended with it
                     pass
 
@@ -358,13 +365,16 @@ class _Channel:
         else:
             self.free.append(seg)
 
-    def release(self, conn, seg_id: int) -> None:
-        """``conn``'s peer has unmapped one lease of segment ``seg_id``."""
+    def release(self, conn, seg_id: int, retire: bool = False) -> None:
+        """``conn``'s peer has unmapped one lease of segment ``seg_id`` (``retire``:
+        a process it forked may still map it: never write it again)."""
         with self.lock:
             seg = self.segs.get(seg_id)
             if seg is None or conn not in seg.leases:
                 return  # idempotent: already settled by a close
             self.counters["released"] += 1
+            if retire:
+                seg.tainted = True
             if seg.leases[conn] <= 1:
                 del seg.leases[conn]
             else:
@@ -440,21 +450,39 @@ class _Channel:
                 if i < len(self.bases) and self.bases[i] == mp.base:
                     del self.bases[i]
                 _unmap(mp.base, mp.length)
+                if mp.pid != os.getpid():
+                    return  # inherited through a fork: the lease is the parent's
                 if mp.own:
                     seg = self.segs.get(mp.seg_id)
                     if seg is not None:
                         seg.local -= 1
+                        seg.tainted = seg.tainted or mp.forked
                         self._settle(seg)
                     return
                 conn = mp.conn
             if conn is not None:
-                _releaser.post(conn, mp.seg_id)
+                _releaser.post(conn, mp.seg_id, mp.forked)
 
         with self.lock:
             self.views[key] = (weakref.ref(view, unmapped), m)
             self.maps[m.base] = m
             bisect.insort(self.bases, m.base)
         return torch.frombuffer(view, dtype=torch.uint8)
+
+    # ------------------------------------------------------------ fork
+
+    def before_fork(self) -> None:
+        """Mark every mapping alive now as forked; the lock is held across the fork
+        so that no mapping appears in between."""
+        self.lock.acquire()
+        for m in self.maps.values():
+            m.forked = True
+
+    def after_fork_in_parent(self) -> None:
+        self.lock.release()
+
+    def after_fork_in_child(self) -> None:
+        self.lock = threading.RLock()  # the parent's may be held by a thread not copied
 
     def _find(self, addr: int) -> _Mapping | None:
         with self.lock:
@@ -481,6 +509,10 @@ class _Channel:
 
 
 _channel = _Channel()
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(before=_channel.before_fork,
+                        after_in_parent=_channel.after_fork_in_parent,
+                        after_in_child=_channel.after_fork_in_child)
 export = _channel.export
 release = _channel.release
 connection_closed = _channel.connection_closed
