@@ -755,8 +755,8 @@ def test_ten_thousand_transfers_leave_nothing_behind():
         assert clean, "segments still leased or mapped after every call returned"
         assert after == before, f"(fds, segment mappings, leased): {before} -> {after}"
         assert left == 0, f"{left} segments still open after clear()"
-        # 4 sizes of buffer (3 segment sizes), one call at a time each way
-        assert cached <= 8, (f"{cached} segments cached for 4 sizes of buffer "
+        # the cache is bounded (shm.MAX_FREE), however late the releases came
+        assert cached <= shm.MAX_FREE, (f"{cached} segments cached for 4 sizes of buffer "
                              f"({moved['created']} created during the run)")
 
 

@@ -22,9 +22,10 @@ mapping that was never written is either not present or the segment's own page
 copied like any other.
 
 Segments are recycled: a sender keeps released segments mapped (their pages
-already faulted in, so the next copy runs at memory speed) up to
-``warm_limit`` bytes of mappings; beyond it, a released segment is closed and a
-leased one is unmapped until it comes back.  The kernel frees a segment's pages
+already faulted in, so the next copy runs at memory speed): at most
+``MAX_FREE`` released ones, and up to ``warm_limit`` bytes of mappings; beyond
+it, a released segment is closed and a leased one is unmapped until it comes
+back.  The kernel frees a segment's pages
 when the last descriptor and mapping anywhere are gone, so a peer that dies
 leaves nothing behind; a segment leased to a peer whose connection closed is
 never written again (the peer may still be mapping it) and is closed once this
@@ -60,6 +61,7 @@ PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 _PROT_RW = 0x1 | 0x2
 _MAP_SHARED, _MAP_PRIVATE, _MAP_POPULATE = 0x01, 0x02, 0x8000
 _SEALS = getattr(fcntl, "F_SEAL_SHRINK", 2) | getattr(fcntl, "F_SEAL_GROW", 4)
+MAX_FREE = 8  # released segments kept for reuse (oldest closed first)
 _COPY_SPLIT = 8 << 20  # copies larger than this are split across threads
 
 _libc = None
@@ -364,6 +366,8 @@ class _Channel:
             self._close(seg)
         else:
             self.free.append(seg)
+            while len(self.free) > MAX_FREE:  # bound descriptors and mappings too
+                self._close(self.free.pop(0))
 
     def release(self, conn, seg_id: int, retire: bool = False) -> None:
         """``conn``'s peer has unmapped one lease of segment ``seg_id`` (``retire``:
