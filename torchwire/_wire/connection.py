@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import array
 import collections
+import itertools
 import logging
 import os
 import socket
@@ -180,7 +181,6 @@ class Connection:
         self._lane_factory = lane_factory if plain else None
         self._lane: Connection | None = None
         self._lane_lock = threading.Lock()
-        self._lane_ids = 0
         self._fd_frames = 0  # frames in the queue that carry descriptors
         self._fdq: collections.deque = collections.deque()  # received, not yet used
         self.frames_in = 0
@@ -262,9 +262,7 @@ class Connection:
         wire_lens, refs, data = [], [], []
         for t, n in zip(tensors, lens):
             if n >= LANE_MIN:
-                with self._lane_lock:
-                    self._lane_ids += 1
-                    tid = self._lane_ids
+                tid = next(_transfer_ids)  # unique per process: a peer keys them by our rank
                 split = n // 2 // 4096 * 4096
                 view = byte_view(t, n)
                 wire_lens.append(n | F.LANE_BIT)
@@ -700,6 +698,7 @@ class Connection:
             self._reader_done.wait(timeout)
 
 
+_transfer_ids = itertools.count(1)  # next() is atomic under the GIL
 _lane_pool = None
 _lane_pool_lock = threading.Lock()
 
