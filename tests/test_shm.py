@@ -8,7 +8,7 @@ channel is (not) used, what 10 000 transfers leave behind, and what a receiver
 does with a malformed descriptor.
 
 Most tests set ``_channel_threshold=4096`` so that small tensors (cheap to make
-and compare) take the channel; the default threshold (1 MiB) is used for the big
+and compare) take the channel; the default threshold (``connection.SHM_MIN``) is used for the big
 ones.  Every job is fresh (``run_world``), so counters start at zero.
 """
 
@@ -281,14 +281,15 @@ def test_big_tensors_at_the_default_threshold():
         ok, back, copies = rpc.rpc_sync("worker1", check_and_return, args=(specs, tensors))
         intact = [good and same(b, t) and same(c, t)
                   for good, t, b, c in zip(ok, tensors, back, copies)]
-        return intact, grew(mine0, shm.stats()), tensors[-1].nbytes
+        return intact, grew(mine0, shm.stats()), [t.nbytes for t in tensors]
 
-    intact, mine, big = run_world(body, 2)[0]
-    assert big == 64 << 20
+    intact, mine, sizes = run_world(body, 2)[0]
+    mib = connection.SHM_MIN
+    assert sizes == [mib - 1, mib, mib + 1, 3 * mib + 6, 64 * mib]
     assert intact == [True] * 5
-    # Just under 1 MiB goes by CMA; the four others through shared memory.
+    # Just under the threshold goes by CMA; the four others through shared memory.
     assert mine["copies"] == 4 and mine["received"] == 4, mine
-    assert mine["copied_bytes"] == (2 << 20) + 1 + (3 << 20) + 6 + big, mine
+    assert mine["copied_bytes"] == sum(sizes[1:]), mine
 
 
 def views_of(base):

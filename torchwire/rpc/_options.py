@@ -61,7 +61,7 @@ class TorchwireRpcBackendOptions(RpcBackendOptions):
             attach, one copy) and ``"socket"`` (torch's name ``"basic"`` too); ``None``
             = all, best first.  Across hosts buffers always go through the socket.
         _channel_threshold: buffers of at least this many bytes leave the socket
-            stream for the ``shm`` or ``cma`` channel; ``None``: 1 MiB for ``shm``,
+            stream for the ``shm`` or ``cma`` channel; ``None``: 2 MiB for ``shm``,
             256 KiB for ``cma`` (each where it beats the other on the machines measured).
         _tcp_lanes: split buffers of 8 MiB or more sent over TCP across the connection
             and a second one (a lane) to the same peer, written and read by two
