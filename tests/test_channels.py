@@ -153,3 +153,27 @@ def test_tcp_lanes_split_large_buffers(lanes):
                                                _tcp_lanes=lanes):
         assert ok and transport == "tcp"
         assert (lanes_open >= 1) if lanes else (lanes_open == 0)
+
+
+def lanes_opened():
+    return len(rpc.api._get_current_rpc_agent()._lanes_out)
+
+
+def agent_state():
+    return rpc.api._get_current_rpc_agent().state.value
+
+
+def test_a_draining_worker_replies_over_a_lane():
+    """A worker inside shutdown() still serves, and its large replies still split."""
+    def body(rank, world_size):
+        if rank == 1:
+            return None  # run_world's shutdown: worker1 drains while worker0 calls it
+        from _cluster import wait_until
+        big = torch.randn(6 << 20)
+        assert wait_until(lambda: rpc.rpc_sync("worker1", agent_state) == "draining")
+        back = rpc.rpc_sync("worker1", echo, args=(big,))
+        return torch.equal(back, big), rpc.rpc_sync("worker1", lanes_opened)
+
+    equal, theirs = run_world(body, 2, _transports=["tcp"])[0]
+    assert equal
+    assert theirs == 1  # worker1 opened a lane for its reply

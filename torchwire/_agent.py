@@ -386,11 +386,11 @@ class RpcAgent:
 
     def _open_lane(self, rank: int) -> Connection:
         """A second TCP connection to ``rank`` for the second half of large buffers."""
-        if self.state is not AgentState.RUNNING:
-            raise RpcStateError("RPC agent is not running")
+        if self.state is AgentState.CLOSED:  # draining still replies: lanes welcome
+            raise RpcStateError("RPC agent is shut down")
         conn = self._connect(self._peers[rank], lane=True)
         with self._conn_lock:
-            if self.state is not AgentState.RUNNING:
+            if self.state is AgentState.CLOSED:
                 conn.close()
             self._lanes_out.append(conn)
         return conn
