@@ -6,6 +6,12 @@ through :meth:`WorkerPool.blocking`; while it waits, the pool may start an extra
 thread so queued work keeps running.  That is what lets nested calls (a user
 function calling ``rpc_sync`` back to its caller) work with the default pool
 without deadlock.  Extra threads exit after a short idle period.
+
+Idle threads wait on a stack, and work wakes the one that went idle last: its
+caches, and the OpenMP team torch keeps per calling thread, are warm.  (A
+``Condition`` wakes the longest-waiting thread, so a stream of calls rotates
+through every thread of the pool; a small torch backward measured ~1 ms instead
+of ~0.2 ms that way on a 2-core machine.)
 """
 
 from __future__ import annotations
@@ -33,9 +39,8 @@ class WorkerPool:
         self._core = num_threads
         self._name = name
         self._lock = threading.Lock()  # `with self._lock` on hot paths (C-level enter)
-        self._cond = threading.Condition(self._lock)
         self._queue: collections.deque = collections.deque()
-        self._idle = 0
+        self._idle_stack: list = []  # per-thread locks of idle threads, held while idle
         self._threads = 0
         self._blocked = 0
         self._stopping = False
@@ -43,7 +48,8 @@ class WorkerPool:
         self._seq = 0
 
     def __repr__(self) -> str:
-        return (f"<WorkerPool {self._name} threads={self._threads} idle={self._idle} "
+        return (f"<WorkerPool {self._name} threads={self._threads} "
+                f"idle={len(self._idle_stack)} "
                 f"blocked={self._blocked} queued={len(self._queue)}>")
 
     def submit(self, fn, *args) -> None:
@@ -60,10 +66,11 @@ class WorkerPool:
             self._wake_locked(len(items))
 
     def _wake_locked(self, n: int) -> None:
-        if self._idle:
-            self._cond.notify(min(n, self._idle))
+        stack = self._idle_stack
+        for _ in range(min(n, len(stack))):
+            stack.pop().release()  # the most recently idle thread first
         # Start threads while work waits and fewer than `core` threads are runnable.
-        while (len(self._queue) > self._idle and self._threads - self._blocked < self._core
+        while (len(self._queue) > len(stack) and self._threads - self._blocked < self._core
                and self._threads < self._core + _EXTRA_LIMIT):
             self._spawn_locked()
 
@@ -89,7 +96,9 @@ class WorkerPool:
 
     def _run(self) -> None:
         _threads.set_current_pool(self)
-        cond, queue, lock = self._cond, self._queue, self._lock
+        queue, lock, stack = self._queue, self._lock, self._idle_stack
+        waiter = threading.Lock()
+        waiter.acquire()  # held while running; released by whoever wakes us
         while True:
             with lock:
                 while not queue:
@@ -97,9 +106,17 @@ class WorkerPool:
                         self._threads -= 1
                         return
                     extra = self._threads - self._blocked > self._core
-                    self._idle += 1
-                    cond.wait(_EXTRA_IDLE_S if extra else None)
-                    self._idle -= 1
+                    stack.append(waiter)
+                    lock.release()
+                    try:
+                        woken = waiter.acquire(True, _EXTRA_IDLE_S if extra else -1)
+                    finally:
+                        lock.acquire()
+                    if not woken:
+                        if waiter in stack:
+                            stack.remove(waiter)
+                        else:  # popped and released just after the timeout: take it back
+                            waiter.acquire()
                     if (not queue and extra and not self._stopping
                             and self._threads - self._blocked > self._core):
                         self._threads -= 1
@@ -115,9 +132,10 @@ class WorkerPool:
 
     def shutdown(self, timeout: float) -> None:
         """Let queued work finish, then stop every thread (bounded by ``timeout``)."""
-        with self._cond:
+        with self._lock:
             self._stopping = True
-            self._cond.notify_all()
+            while self._idle_stack:
+                self._idle_stack.pop().release()
             threads = list(self._all)
         deadline = time.monotonic() + timeout
         me = threading.current_thread()
