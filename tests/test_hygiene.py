@@ -99,7 +99,10 @@ def test_a_peer_dying_mid_transfer_leaves_the_survivor_clean(link):
         del big
         import gc
         gc.collect()
-        time.sleep(0.3)
+        # Readers of the closed connections (and lanes) close their sockets as they
+        # exit: give them a bounded moment.
+        from _cluster import wait_until
+        wait_until(lambda: _fds() <= fds0, timeout=5.0)
         fds1, rss1, shm1, maps1, _ = _state()
         rpc.shutdown(graceful=False)
         return fds0, fds1, rss0, rss1, shm0, shm1, maps1
