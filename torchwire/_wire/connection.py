@@ -25,6 +25,7 @@ import logging
 import os
 import socket
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 
 from .. import _threads
@@ -707,7 +708,6 @@ def _lane_writer():
     global _lane_pool
     with _lane_pool_lock:
         if _lane_pool is None:
-            from concurrent.futures import ThreadPoolExecutor
             _lane_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="torchwire-lane")
         return _lane_pool
 

@@ -524,11 +524,3 @@ import_fd = _channel.import_fd
 import_back = _channel.import_back
 stats = _channel.stats
 clear = _channel.clear
-
-
-def set_warm_limit(limit: int) -> None:
-    """Bytes of segment mappings kept for reuse; 0 closes every segment once released."""
-    with _channel.lock:
-        _channel.warm_limit = limit
-        if limit == 0:
-            _channel.clear()
