@@ -4,6 +4,7 @@ and after a peer dies in the middle of one."""
 from __future__ import annotations
 
 import os
+import threading
 import time
 
 import pytest
@@ -42,12 +43,20 @@ def _segment_maps() -> int:
         return sum("memfd:torchwire" in line for line in f)
 
 
+_measuring = threading.Lock()
+
+
 def _state():
     """Released segments are a bounded cache (counted, then closed); what stays
-    open or mapped after that is a leak."""
-    cached = shm.stats()["segments"]
-    shm.clear()
-    return _fds(), _rss(), _shm(), _segment_maps(), cached
+    open or mapped after that is a leak.
+
+    A worker measures itself while its peer's call measures it too, on a pool
+    thread: one measurement's open /proc file would show in the other's count.
+    The lock makes them take turns."""
+    with _measuring:
+        cached = shm.stats()["segments"]
+        shm.clear()
+        return _fds(), _rss(), _shm(), _segment_maps(), cached
 
 
 @pytest.mark.parametrize("channel", sorted(CHANNELS))
