@@ -12,11 +12,15 @@ torch's future does.
 from __future__ import annotations
 
 import copy
+import logging
+import threading
 from typing import Any, Callable
 
 import torch
 
 from . import _threads
+
+log = logging.getLogger("torchwire")
 
 _dispatcher: Callable[[Callable, Any], None] | None = None
 
@@ -63,14 +67,39 @@ class Future(torch.futures.Future):
                 err.__cause__ = exc
                 child.set_exception(err)
 
-        super().add_done_callback(lambda _f: _run_off_io(run, self))
+        self._queue(run)
         return child
 
     def add_done_callback(self, callback) -> None:
         if not callable(callback):
             raise TypeError(f"add_done_callback(): incompatible function arguments: callback "
                             f"must be callable, got {type(callback).__name__}")
-        super().add_done_callback(lambda _f: _run_off_io(callback, self))
+
+        def run(fut):
+            try:
+                callback(fut)
+            except Exception as exc:  # as torch: logged, and the other callbacks still run
+                log.error("Got the following error when running the callback: %s: %s",
+                          type(exc).__name__, exc)
+        self._queue(run)
+
+    def _queue(self, run) -> None:
+        """Run ``run(self)`` once done, after the callbacks added before it (torch runs a
+        future's callbacks in the order they were added; code relies on it, e.g. a
+        ``then`` added after an ``add_done_callback`` to wait for it)."""
+        with _queue_lock:
+            pending = self.__dict__.get("_tw_pending")
+            if pending is not None:  # earlier callbacks not run yet: run after them
+                pending.append(run)
+                return
+            arm = not self.done()
+            if arm:
+                self._tw_pending = [run]
+        if arm:  # outside the lock: a future completing meanwhile drains inline
+            super().add_done_callback(lambda _f: _run_off_io(_drain, self))
+        else:
+            run(self)  # done and nothing pending: inline, as torch
+
 
     def _add_inline_callback(self, callback) -> None:
         """Internal: run ``callback(self)`` on whichever thread completes the future,
@@ -101,6 +130,72 @@ class Future(torch.futures.Future):
             return super().value()
         except BaseException as exc:
             raise _fresh(exc) from exc.__cause__
+
+
+_queue_lock = threading.Lock()
+
+
+def _drain(fut: Future) -> None:
+    """Run ``fut``'s queued callbacks in order, including any added meanwhile."""
+    while True:
+        with _queue_lock:
+            pending = fut._tw_pending
+            if not pending:
+                fut._tw_pending = None
+                return
+            run = pending.pop(0)
+        run(fut)
+
+
+_torch_wait_all = torch.futures.wait_all
+
+
+def wait_all(futures):
+    """``torch.futures.wait_all``, stopping at the first error of a torchwire future.
+
+    torch's version stops early only for errors its C++ futures hold; a future
+    completed from Python (torchwire's) holds its error as a value, so torch's would
+    wait for every future.  This one raises the first error as soon as it is set,
+    as torch does for its own futures.  Lists without a torchwire future go to
+    torch's unchanged.  torchwire installs it as ``torch.futures.wait_all``.
+    """
+    if not any(isinstance(f, Future) for f in futures):
+        return _torch_wait_all(futures)
+    futures = list(futures)
+    lock = threading.Lock()
+    finished = threading.Event()
+    state = {"left": len(futures), "failed": None}
+
+    def one_done(f) -> None:
+        try:
+            f.value()
+            failed = False
+        except BaseException:
+            failed = True
+        with lock:
+            state["left"] -= 1
+            if failed and state["failed"] is None:
+                state["failed"] = f
+            if failed or state["left"] == 0:
+                finished.set()
+
+    for f in futures:
+        torch._C.Future.add_done_callback(f, one_done)  # inline: bookkeeping only
+    if not finished.is_set():
+        pool = _threads.current_pool()
+        if pool is not None:
+            with pool.blocking():
+                finished.wait()
+        else:
+            finished.wait()
+    failed = state["failed"]
+    if failed is not None:
+        failed.wait()  # raises its error
+    return [f.wait() for f in futures]
+
+
+def install_wait_all() -> None:
+    torch.futures.wait_all = wait_all
 
 
 def _fresh(exc: BaseException) -> BaseException:

@@ -461,6 +461,12 @@ def loads_exception(payload) -> BaseException:
     except Exception:
         cls = None
     exc_obj: BaseException | None = None
+    if cls is torch.jit.Error:
+        # A TorchScript function failed: torch's RPC raises a RuntimeError for it (the
+        # interpreter's error is not one), with the script's own error in the message.
+        cls = None
+        exc_obj = RemoteError(message, remote_type=f"{module}.{qualname}",
+                              worker_name=worker_desc, remote_traceback=tb_text)
     if isinstance(cls, type) and issubclass(cls, BaseException):
         try:
             exc_obj = cls(message)

@@ -9,7 +9,7 @@ from __future__ import annotations
 from .._errors import (ConnectionClosedError, ProtocolError, RemoteError, RendezvousError,
                        RpcStateError, RpcTimeoutError, SerializationError, TorchwireError,
                        UnknownWorkerError, WorkerUnavailableError, InvalidWorkerNameError)
-from .._future import Future
+from .._future import Future, install_wait_all
 from .._worker_info import WorkerInfo
 from . import constants, functions, internal  # noqa: F401
 from .._rref import RRef
@@ -43,3 +43,6 @@ for _name in __all__:
         except (AttributeError, TypeError):
             pass
 del _name, _obj
+
+# torch.futures.wait_all stops at the first error of a torchwire future too (_future.wait_all)
+install_wait_all()

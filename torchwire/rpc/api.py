@@ -42,15 +42,20 @@ _ignore_rref_leak = True
 def _require_agent() -> RpcAgent:
     agent = _agent
     if agent is None or agent.state is AgentState.CLOSED:
-        # "Current RPC agent is not set!" is torch's phrase
-        raise RpcStateError("Current RPC agent is not set! Did you initialize the RPC "
-                            "framework? RPC has not been initialized or has been shut down: "
-                            "call torchwire.rpc.init_rpc first")
+        # Starts with torch's phrase for the API functions: ported code matches on it.
+        raise RpcStateError("RPC has not been initialized, or has been shut down: call "
+                            "torchwire.rpc.init_rpc first")
     return agent
 
 
 def _get_current_rpc_agent() -> RpcAgent:
-    return _require_agent()
+    agent = _agent
+    if agent is None or agent.state is AgentState.CLOSED:
+        # torch's phrase for the agent lookup (RRef constructors say the same)
+        raise RpcStateError("Current RPC agent is not set! Did you initialize the RPC "
+                            "framework (torchwire.rpc.init_rpc)? It has not been initialized "
+                            "or has been shut down")
+    return agent
 
 
 def is_available() -> bool:
