@@ -500,6 +500,122 @@ def test_concurrent_contexts_never_mix(world):
     world.run(0, wait_contexts_released)
 
 
+def body_unused_send():
+    t1 = torch.rand((3, 3), requires_grad=True)
+    t2 = torch.rand((3, 3), requires_grad=True)
+    with dist_autograd.context() as cid:
+        rpc.rpc_sync("worker1", torch.add, args=(t1, t2))  # its result is never used
+        dist_autograd.backward(cid, [torch.mul(t1, t2).sum()])
+        grads = dist_autograd.get_gradients(cid)
+        return grads[t1], grads[t2], t1, t2
+
+
+def test_backward_finishes_when_a_sent_tensor_gets_no_gradient(world):
+    # docs/compat.md, deliberate differences: torch's FAST mode waits forever here
+    g1, g2, t1, t2 = world.run(0, body_unused_send, timeout=30)
+    torch.testing.assert_close(g1, t2)
+    torch.testing.assert_close(g2, t1)
+
+
+# ---------------------------------------------------------------- hooks and copies (torch's engine)
+
+def body_hooks():
+    w = torch.ones(3, requires_grad=True)
+    w.register_hook(lambda g: g * 2)  # a tensor hook: the context gets the doubled gradient
+    u = torch.ones(3, requires_grad=True)
+    x = torch.tensor([1.0, 2.0, 3.0])
+    calls = []
+    with dist_autograd.context() as cid:
+        # w travels as is (its send entry is the leaf itself); u goes through a local op
+        y = rpc.rpc_sync("worker1", mul, args=(w, x))
+        z = rpc.rpc_sync("worker2", mul, args=(u * 3, x))
+        loss = (y + z).sum()
+        acc_u = (u * 1).grad_fn.next_functions[0][0]  # u's AccumulateGrad (kept alive by z)
+        acc_u.register_hook(lambda grads_in, grads_out: calls.append("post"))
+        acc_u.register_prehook(lambda grads_out: calls.append("pre") or None)
+        dist_autograd.backward(cid, [loss])
+        grads = dist_autograd.get_gradients(cid)
+        return grads[w], grads[u], calls, w.grad, u.grad
+
+
+def test_leaf_hooks_and_accumulate_node_hooks_run_and_grad_stays_untouched(world):
+    gw, gu, calls, w_grad, u_grad = world.run(0, body_hooks)
+    torch.testing.assert_close(gw, torch.tensor([2.0, 4.0, 6.0]))  # the hook doubled it
+    torch.testing.assert_close(gu, torch.tensor([3.0, 6.0, 9.0]))
+    assert calls == ["pre", "post"]
+    assert w_grad is None and u_grad is None
+
+
+class _Twice(torch.autograd.Function):
+    """Hands the same gradient tensor to both inputs."""
+    seen = None
+
+    @staticmethod
+    def forward(ctx, a, b):
+        return a + b
+
+    @staticmethod
+    def backward(ctx, g):
+        _Twice.seen = g.data_ptr()
+        return g, g
+
+
+class _Once(torch.autograd.Function):
+    seen = None
+
+    @staticmethod
+    def forward(ctx, a):
+        return a.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        _Once.seen = g.data_ptr()
+        return g
+
+
+class _Expanded(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, a):
+        ctx.shape = a.shape
+        return a.sum()
+
+    @staticmethod
+    def backward(ctx, g):
+        return g.expand(ctx.shape)  # stride 0: not laid out as the leaf
+
+
+def body_copies():
+    a = torch.randn(4, 5, requires_grad=True)
+    b = torch.randn(4, 5, requires_grad=True)
+    out = {}
+    with dist_autograd.context() as cid:  # a local graph: the gradient is the engine's own
+        dist_autograd.backward(cid, [_Once.apply(a)[1, 2]])
+        out["alone"] = dist_autograd.get_gradients(cid)[a].data_ptr() == _Once.seen
+    with dist_autograd.context() as cid:
+        y = rpc.rpc_sync("worker1", add, args=(_Twice.apply(a, b), torch.zeros(4, 5)))
+        dist_autograd.backward(cid, [y.sum()])
+        grads = dist_autograd.get_gradients(cid)
+        ptrs = {grads[a].data_ptr(), grads[b].data_ptr(), _Twice.seen}
+        out["shared"] = len(ptrs) == 3
+        out["values"] = bool(torch.equal(grads[a], torch.ones(4, 5)) and
+                             torch.equal(grads[b], torch.ones(4, 5)))
+    with dist_autograd.context() as cid:
+        y = rpc.rpc_sync("worker1", add, args=(_Expanded.apply(a), torch.zeros(())))
+        dist_autograd.backward(cid, [y])
+        g = dist_autograd.get_gradients(cid)[a]
+        out["expanded"] = (g.stride() == a.stride(), bool(torch.equal(g, torch.ones(4, 5))))
+    return out
+
+
+def test_a_gradient_is_kept_as_is_only_when_nothing_else_reaches_it(world):
+    # torch's AccumulateGrad rules: a gradient no one else holds is kept without a copy;
+    # one handed to two leaves, or not laid out as its leaf, is copied
+    out = world.run(0, body_copies)
+    assert out["alone"] is True
+    assert out["shared"] is True and out["values"] is True
+    assert out["expanded"] == (True, True)
+
+
 # ---------------------------------------------------------------- correctness: model parallel
 
 @pytest.mark.parametrize("n", [2, 3, 4])

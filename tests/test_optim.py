@@ -201,9 +201,19 @@ def test_slides_example(world):
 # the modules are the example's (torchwire.examples.rnn), the seed's code
 
 
+_seeding = threading.Lock()
+
+
 def seeded(cls, seed, *args):
-    torch.manual_seed(seed)
-    return cls(*args)
+    """Build ``cls(*args)`` from ``seed``, leaving the global generator as it was.
+
+    Two ``rpc.remote`` calls run this at once on the server's pool: seeding the shared
+    generator unguarded let one construction draw from the other's seed, and left
+    dropout's stream depending on which finished last (a run-to-run change of
+    trajectory that sometimes never trained)."""
+    with _seeding, torch.random.fork_rng():
+        torch.manual_seed(seed)
+        return cls(*args)
 
 
 class RNNModel(nn.Module):

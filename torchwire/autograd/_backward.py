@@ -2,9 +2,10 @@
 
 ``backward(C, roots)`` on worker W::
 
-    local pass:  torch.autograd.grad(roots, leaves + [anchor], ones)
-                 leaves = every AccumulateGrad variable under the roots; their
-                 gradients are added into C's record.  Each recv node reached
+    local pass:  torch.autograd.backward(roots, ones, inputs=leaves + [anchor])
+                 leaves = every AccumulateGrad variable under the roots; a pre-hook
+                 on each AccumulateGrad node takes the gradient into C's record
+                 (none reaches .grad; the leaves' and nodes' hooks run).  Each recv node reached
                  hands its (engine-summed) gradient to the pass.
     fan out:     for each worker S that sent a tensor reached: one request
                  _backward_remote(C, [(send id, grad), ...]) to S
@@ -40,8 +41,21 @@ from ._context import DistAutogradContext, container
 from ._recording import _anchor, _pass
 
 
-def _leaves(outputs) -> list[torch.Tensor]:
-    """The leaves (AccumulateGrad variables) of the graph under ``outputs``."""
+class _Through(torch.autograd.Function):
+    """Identity: a leaf sent as is enters a local pass through its AccumulateGrad node,
+    as any other leaf does (its hooks run)."""
+
+    @staticmethod
+    def forward(ctx, t):
+        return t.detach()  # an alias: same memory, no view (sparse tensors have none)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+def _leaves(outputs) -> list[tuple[torch.Tensor, object]]:
+    """``(leaf, its AccumulateGrad node)`` for every leaf of the graph under ``outputs``."""
     seen: set = set()
     stack = [o.grad_fn for o in outputs]
     leaves = []
@@ -53,34 +67,76 @@ def _leaves(outputs) -> list[torch.Tensor]:
         var = getattr(node, "variable", None)
         if var is not None:
             if var is not _anchor:
-                leaves.append(var)
+                leaves.append((var, node))
             continue
         stack.extend(f for f, _ in node.next_functions)
     return leaves
 
 
+_hooked = threading.Lock()
+
+
+def _capture(state, leaf, captured: list):
+    """A pre-hook for ``leaf``'s AccumulateGrad node in the pass ``state``: takes the
+    gradient (after the leaf's own hooks) for the context and leaves ``.grad`` alone."""
+    def hook(grad_inputs):
+        if getattr(_pass, "current", None) is not state:
+            return None  # another pass, or a plain backward(), through the same leaf
+        if grad_inputs[0] is not None:
+            captured.append((leaf, grad_inputs[0]))
+        return (None,)  # AccumulateGrad skips an undefined gradient; its post hooks run
+    return hook
+
+
 def _local_pass(ctx: DistAutogradContext, outputs, grads, retain: bool) -> dict:
-    """One run of the local engine; returns ``{(src, send id): grad}`` to send on."""
-    inner, inner_grads, direct = [], [], []
-    for t, g in zip(outputs, grads):
-        if t.grad_fn is not None:
-            inner.append(t)
-            inner_grads.append(g)
-        elif t.requires_grad:
-            direct.append((t, g))  # a leaf sent as is
-    ctx.accumulate(direct)
+    """One run of the local engine; returns ``{(src, send id): grad}`` to send on.
+
+    As torch's distributed engine, every AccumulateGrad node reached runs its hooks
+    (the leaf's tensor hooks, then the node's pre and post hooks), and the gradient
+    goes into the context instead of ``.grad``: a pre-hook of ours takes it.  Graphs
+    with tensors off the CPU use ``torch.autograd.grad`` instead (their nodes run on
+    the engine's device threads, where the running pass is not known): the same
+    gradients, without the nodes' pre and post hooks.
+    """
+    inner, inner_grads = [], []
+    with torch.enable_grad():
+        for t, g in zip(outputs, grads):
+            if t.grad_fn is not None:
+                inner.append(t)
+                inner_grads.append(g)
+            elif t.requires_grad:  # a leaf sent as is
+                inner.append(_Through.apply(t))
+                inner_grads.append(g)
     if not inner:
         return {}
     leaves = _leaves(inner)
     out: dict = {}
+    captured: list = []
     prev = getattr(_pass, "current", None)
-    _pass.current = (ctx.id, out)
+    state = _pass.current = (ctx.id, out)
     try:
-        got = torch.autograd.grad(inner, leaves + [_anchor], inner_grads, retain_graph=retain,
-                                  allow_unused=True)
+        if all(t.device.type == "cpu" for t in inner) and \
+                all(leaf.device.type == "cpu" for leaf, _ in leaves):
+            # One such pass at a time (torch's engine runs them all on one thread too):
+            # hooks added or removed while another pass runs the same node's hooks
+            # could make it skip ours.
+            with _hooked:
+                handles = [node.register_prehook(_capture(state, leaf, captured))
+                           for leaf, node in leaves]
+                try:
+                    torch.autograd.backward(inner, inner_grads, retain_graph=retain,
+                                            inputs=[leaf for leaf, _ in leaves] + [_anchor])
+                finally:
+                    for h in handles:
+                        h.remove()
+        else:
+            got = torch.autograd.grad(inner, [leaf for leaf, _ in leaves] + [_anchor],
+                                      inner_grads, retain_graph=retain, allow_unused=True)
+            captured = [(leaf, g) for (leaf, _), g in zip(leaves, got) if g is not None]
+            del got
     finally:
         _pass.current = prev
-    ctx.accumulate(zip(leaves, got))
+    ctx.accumulate(captured)
     return out
 
 

@@ -24,11 +24,14 @@ is finished for good (ids are never reused).
 
 from __future__ import annotations
 
+import collections
 import itertools
 import logging
+import sys
 import threading
 
 import torch
+import torch._prims_common as _prims
 
 from .. import _serialization as ser
 
@@ -67,20 +70,72 @@ class DistAutogradContext:
     def _num_recv_functions(self) -> int:
         return self.recvs
 
-    def accumulate(self, pairs) -> None:
-        """Add ``(leaf, grad)`` pairs into the context's gradients."""
+    def accumulate(self, pairs: list) -> None:
+        """Add one local pass's ``(leaf, grad)`` pairs into the context's gradients.
+
+        ``pairs`` is a list the caller gives away (its tuples hold the only references
+        the caller has).  As torch's AccumulateGrad, a first gradient is kept as is
+        only when nothing else can reach it: no other reference to it, no other
+        gradient of the pass sharing its memory, laid out as the leaf; otherwise it
+        is copied.  Later ones are added out of place (the caller may hold the
+        tensor ``get_gradients`` returned).
+        """
+        shared = collections.Counter(_memory(g) for _, g in pairs)
         with self.lock:
             grads = self.grads
             for leaf, g in pairs:
-                if g is None:
-                    continue
                 old = grads.get(leaf)
-                grads[leaf] = g if old is None else old + g
+                if old is not None:
+                    grads[leaf] = old + g
+                # 3 references: the pair, ``g`` and getrefcount's argument
+                elif sys.getrefcount(g) <= 3 and g._use_count() <= 1 and \
+                        shared[_memory(g)] == 1 and _keeps_layout(g, leaf):
+                    grads[leaf] = g
+                else:
+                    grads[leaf] = _copy_for(g, leaf)
 
     def __repr__(self) -> str:
         return (f"<DistAutogradContext id={self.id} (worker {self.id >> _ID_BITS}) "
                 f"sends={len(self.sends)} recvs={self.recvs} grads={len(self.grads)} "
                 f"known_workers={sorted(self.known)}>")
+
+
+def _memory(g: torch.Tensor) -> int:
+    """Where ``g``'s elements live (its values' for a sparse tensor)."""
+    if g.is_sparse:
+        g = g._values()
+    try:
+        return g.untyped_storage().data_ptr()
+    except Exception:  # a tensor without storage: never shared with another
+        return id(g)
+
+
+def _keeps_layout(g: torch.Tensor, leaf: torch.Tensor) -> bool:
+    """torch's layout contract for a stored gradient: dense ones strided as the leaf
+    (when the leaf is dense and non-overlapping) or contiguous; sparse ones with
+    contiguous indices and values."""
+    if g.is_sparse:
+        return g._indices().is_contiguous() and g._values().is_contiguous()
+    if g.layout is not torch.strided:
+        return False
+    if leaf.layout is torch.strided and _dense(leaf):
+        return all(gs == ls if n != 1 else gs != 0
+                   for n, gs, ls in zip(g.shape, g.stride(), leaf.stride()))
+    return g.is_contiguous()
+
+
+def _dense(t: torch.Tensor) -> bool:
+    return t.is_contiguous() or t.is_contiguous(memory_format=torch.channels_last) or \
+        _prims.is_non_overlapping_and_dense(t)
+
+
+def _copy_for(g: torch.Tensor, leaf: torch.Tensor) -> torch.Tensor:
+    if g.is_sparse or g.layout is not torch.strided:
+        return g.clone()
+    if leaf.layout is torch.strided and _dense(leaf) and g.shape == leaf.shape:
+        return torch.empty_strided(leaf.shape, leaf.stride(), dtype=g.dtype,
+                                   device=g.device).copy_(g)
+    return g.clone(memory_format=torch.contiguous_format)
 
 
 def not_found(context_id) -> RuntimeError:
