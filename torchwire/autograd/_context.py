@@ -24,7 +24,6 @@ is finished for good (ids are never reused).
 
 from __future__ import annotations
 
-import collections
 import itertools
 import logging
 import sys
@@ -75,12 +74,11 @@ class DistAutogradContext:
 
         ``pairs`` is a list the caller gives away (its tuples hold the only references
         the caller has).  As torch's AccumulateGrad, a first gradient is kept as is
-        only when nothing else can reach it: no other reference to it, no other
-        gradient of the pass sharing its memory, laid out as the leaf; otherwise it
-        is copied.  Later ones are added out of place (the caller may hold the
-        tensor ``get_gradients`` returned).
+        only when nothing else can reach it (no other reference to the tensor, which
+        also catches one tensor handed to two leaves) and it is laid out as the leaf;
+        otherwise it is copied.  Later ones are added out of place (the caller may
+        hold the tensor ``get_gradients`` returned).
         """
-        shared = collections.Counter(_memory(g) for _, g in pairs)
         with self.lock:
             grads = self.grads
             for leaf, g in pairs:
@@ -89,7 +87,7 @@ class DistAutogradContext:
                     grads[leaf] = old + g
                 # 3 references: the pair, ``g`` and getrefcount's argument
                 elif sys.getrefcount(g) <= 3 and g._use_count() <= 1 and \
-                        shared[_memory(g)] == 1 and _keeps_layout(g, leaf):
+                        _keeps_layout(g, leaf):
                     grads[leaf] = g
                 else:
                     grads[leaf] = _copy_for(g, leaf)
@@ -100,16 +98,6 @@ class DistAutogradContext:
                 f"known_workers={sorted(self.known)}>")
 
 
-def _memory(g: torch.Tensor) -> int:
-    """Where ``g``'s elements live (its values' for a sparse tensor)."""
-    if g.is_sparse:
-        g = g._values()
-    try:
-        return g.untyped_storage().data_ptr()
-    except Exception:  # a tensor without storage: never shared with another
-        return id(g)
-
-
 def _keeps_layout(g: torch.Tensor, leaf: torch.Tensor) -> bool:
     """torch's layout contract for a stored gradient: dense ones strided as the leaf
     (when the leaf is dense and non-overlapping) or contiguous; sparse ones with
@@ -118,6 +106,8 @@ def _keeps_layout(g: torch.Tensor, leaf: torch.Tensor) -> bool:
         return g._indices().is_contiguous() and g._values().is_contiguous()
     if g.layout is not torch.strided:
         return False
+    if g.is_contiguous() and leaf.is_contiguous():  # the common case, at once
+        return True
     if leaf.layout is torch.strided and _dense(leaf):
         return all(gs == ls if n != 1 else gs != 0
                    for n, gs, ls in zip(g.shape, g.stride(), leaf.stride()))
