@@ -156,8 +156,9 @@ def init_rpc(name, backend=None, rank=-1, world_size=None, rpc_backend_options=N
             raise
         _rref.start(agent)
         _gather._reset()
-        agent.start()
+        # Published before it serves: a peer's first request may run as soon as it does.
         _agent = agent
+        agent.start()
 
 
 def _adopt_options(options, backend):
