@@ -28,7 +28,7 @@ def echo(x):
 def held_buffers():
     """How many frames' tensors this worker still keeps for peers to read."""
     agent = rpc.api._get_current_rpc_agent()
-    conns = list(agent._incoming) + [p.out for p in agent._peers if p.out is not None]
+    conns = list(agent._incoming) + [p.out for p in agent._peers.values() if p.out is not None]
     return (sum(len(getattr(c, "_cma_hold", {})) for c in conns)
             + shm.stats()["leased"])
 

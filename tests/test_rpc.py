@@ -466,7 +466,7 @@ def release(key, value):
 def pool_threads():
     """Pool threads, and how many connections this worker reads (a reader may be one)."""
     agent = rpc.api._get_current_rpc_agent()
-    connections = len(agent._incoming) + sum(p.out is not None for p in agent._peers)
+    connections = len(agent._incoming) + sum(p.out is not None for p in agent._peers.values())
     return sum(t.name.startswith("torchwire-worker") for t in threading.enumerate()), connections
 
 

@@ -89,7 +89,7 @@ def grew(before, after):
 
 def connections():
     agent = rpc.api._get_current_rpc_agent()
-    return list(agent._incoming) + [p.out for p in agent._peers if p.out is not None]
+    return list(agent._incoming) + [p.out for p in agent._peers.values() if p.out is not None]
 
 
 def settled(peer) -> bool:

@@ -31,6 +31,11 @@ Graceful shutdown (store-based termination detection)::
     EXIT:      set "sd/exit/<rank>"; rank 0 (which may host the store) waits
                until every rank that is not gone has, then all close their sockets.
 
+In a dynamic group (``world_size`` None, ``_membership.py``) graceful shutdown is
+leaving the group instead, and the name table changes while the agent runs
+(``add_member``, ``remove_member``): it is replaced, never changed in place, so a
+reader iterates a consistent copy without a lock.
+
 Failures (DESIGN.md, "Failure model"): a connection lost outside an orderly
 close, a connection that cannot be made or a silent heartbeat marks the peer
 down (``_peer_lost``): calls pending on it fail with ``WorkerUnavailableError``
@@ -39,6 +44,8 @@ naming it, new calls to it fail at once, plugins hear ``peer_lost``.
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import enum
 import itertools
 import logging
@@ -47,11 +54,12 @@ import sys
 import threading
 import time
 import traceback
+import weakref
 
 import torch
 
+from . import _devices, _threads
 from . import _serialization as ser
-from . import _threads
 from ._errors import (ConnectionClosedError, RpcStateError, RpcTimeoutError,
                       SerializationError, WorkerUnavailableError)
 from ._future import Deferred, Future, set_dispatcher
@@ -62,7 +70,8 @@ from ._wire import cma, shm
 from ._wire import frame as F
 from ._wire.auth import JobAuth, client_handshake, server_handshake
 from ._wire.connection import Connection, LaneRegistry
-from ._wire.listener import Listener, connect_tcp, connect_unix, host_identity
+from ._wire.listener import (Listener, connect_tcp, connect_unix, host_identity,
+                              listener_alive)
 from ._worker_info import WorkerInfo
 from .rpc._options import channel_allowed
 
@@ -119,12 +128,12 @@ class LoopbackConnection:
 class RpcAgent:
     """The per-process RPC runtime (see the module docstring)."""
 
-    def __init__(self, name: str, rank: int, world_size: int, options, store,
+    def __init__(self, name: str, rank: int, world_size: int | None, options, store,
                  store_host: str | None, listener: Listener, records: list[dict],
                  job: JobAuth) -> None:
         self.name = name
         self.rank = rank
-        self.world_size = world_size
+        self.world_size = world_size  # None: a dynamic group (membership changes)
         self.options = options
         self.store = store
         self._listener = listener
@@ -135,20 +144,33 @@ class RpcAgent:
                                             F.DEFAULT_MAX_MESSAGE_SIZE))
         self.state = AgentState.RUNNING
         self.info = WorkerInfo(name, rank)
-        self._peers: list[_Peer] = []
+        # rank -> _Peer and name -> WorkerInfo; replaced whole when members change
+        self._peers: dict[int, _Peer] = {}
         self._by_name: dict[str, WorkerInfo] = {}
         for r in records:
             info = WorkerInfo(r["name"], r["rank"])
-            self._peers.append(_Peer(info, r))
+            self._peers[info.id] = _Peer(info, r)
             self._by_name[info.name] = info
+        # dynamic groups: members that left or were found gone, and why (for errors)
+        self._departed: dict[int, tuple[WorkerInfo, str]] = {}
+        self._departed_names: dict[str, tuple[WorkerInfo, str]] = {}
+        self._members_lock = threading.Lock()  # serializes changes of the name table
+        # connections with members that were dropped: their end says nothing about a
+        # newcomer that took the rank
+        self._retired: weakref.WeakSet = weakref.WeakSet()
+        self.membership = None  # a dynamic group's _membership.Membership
         self._pending: dict[int, tuple] = {}
         self._rids = itertools.count(1)
         self._stats_lock = threading.Lock()
         self._sent = 0
         self._received = 0
         # per peer, for termination detection without the peers that are gone
-        self._sent_to = [0] * world_size
-        self._recv_from = [0] * world_size
+        if world_size is None:  # only counted: a dynamic group has no termination rounds
+            self._sent_to = collections.defaultdict(int)
+            self._recv_from = collections.defaultdict(int)
+        else:
+            self._sent_to = [0] * world_size
+            self._recv_from = [0] * world_size
         self._idle = threading.Condition(threading.Lock())
         self._draining = False
         self._incoming: set = set()
@@ -174,15 +196,17 @@ class RpcAgent:
         self._use_unix = transports is None or bool({"uds", "unix", "shm"} & set(transports))
 
     def __repr__(self) -> str:
-        return (f"<RpcAgent {self.name} rank={self.rank}/{self.world_size} "
+        peers = self._peers.values()
+        world = self.world_size if self.world_size is not None else f"dynamic({len(peers)})"
+        return (f"<RpcAgent {self.name} rank={self.rank}/{world} "
                 f"state={self.state.value} pending={len(self._pending)} "
-                f"connections={len(self._incoming) + sum(p.out is not None for p in self._peers)}>")
+                f"connections={len(self._incoming) + sum(p.out is not None for p in peers)}>")
 
     def stats(self) -> dict:
         """Counters for monitoring and the demo: calls and bytes, per direction."""
         with self._conn_lock:
             conns = list(self._incoming)
-        conns += [p.out for p in self._peers if isinstance(p.out, Connection)]
+        conns += [p.out for p in self._peers.values() if isinstance(p.out, Connection)]
         return {
             "name": self.name,
             "calls_sent": self._sent,
@@ -217,26 +241,139 @@ class RpcAgent:
     # ------------------------------------------------------------------ name table
 
     def get_worker_info(self, to=None) -> WorkerInfo:
+        """Raises:
+            UnknownWorkerError: no member has that name, rank or WorkerInfo.
+            WorkerUnavailableError: (dynamic groups) it names a member that left.
+        """
         if to is None:
             return self.info
         if isinstance(to, WorkerInfo):
-            if not 0 <= to.id < self.world_size or self._peers[to.id].info != to:
-                raise _unknown(repr(to))
-            return self._peers[to.id].info
+            peer = self._peers.get(to.id)
+            if peer is None or peer.info != to:
+                gone = self._departed.get(to.id)
+                raise self._not_member(repr(to), gone if gone and gone[0] == to else None)
+            return peer.info
         if isinstance(to, str):
             info = self._by_name.get(to)
             if info is None:
-                raise _unknown(to)
+                raise self._not_member(to, self._departed_names.get(to))
             return info
         if isinstance(to, int) and not isinstance(to, bool):
-            if not 0 <= to < self.world_size:
-                raise _unknown(f"rank {to}")
-            return self._peers[to].info
+            peer = self._peers.get(to)
+            if peer is None:
+                raise self._not_member(f"rank {to}", self._departed.get(to))
+            return peer.info
         raise ValueError(f"Cannot get WorkerInfo from {to!r}: pass a worker name, rank or "
                          "WorkerInfo")
 
     def get_worker_infos(self) -> list[WorkerInfo]:
-        return [p.info for p in self._peers]
+        """Every member, this worker included, by rank (a dynamic group: as of now)."""
+        return sorted(p.info for p in self._peers.values())
+
+    def _not_member(self, what: str, gone: tuple[WorkerInfo, str] | None):
+        if gone is None:
+            return _unknown(what)
+        return self._unavailable(gone[0].id, gone[1])
+
+    def _name_of(self, rank: int) -> str:
+        """The name of ``rank``, a member or one that left (for messages)."""
+        peer = self._peers.get(rank)
+        if peer is not None:
+            return peer.info.name
+        gone = self._departed.get(rank)
+        return gone[0].name if gone is not None else f"<rank {rank}>"
+
+    def _gone_error(self, rank: int) -> WorkerUnavailableError:
+        gone = self._departed.get(rank)
+        return self._unavailable(rank, gone[1] if gone else "it is not a member of the group")
+
+    # ------------------------------------------------------------------ membership
+
+    def add_member(self, record: dict) -> _Peer:
+        """A dynamic group gained a member (it joined, or a connection from it arrived
+        first).  A different worker known under its rank or name died without
+        leaving (the group gave them to the newcomer): it is dropped first.
+
+        Returns:
+            its ``_Peer``.
+        """
+        info = WorkerInfo(record["name"], record["rank"])
+        while True:
+            with self._members_lock:
+                old = self._peers.get(info.id)
+                if old is not None and old.record == record:
+                    return old
+                named = self._by_name.get(info.name)
+                if old is None and named is not None:
+                    old = self._peers.get(named.id)
+                if old is None:
+                    peer = _Peer(info, record)
+                    self._peers = {**self._peers, info.id: peer}
+                    self._by_name = {**self._by_name, info.name: info}
+                    self._departed.pop(info.id, None)
+                    self._departed_names.pop(info.name, None)
+                    break
+            self._drop_member(old, "another worker joined with its rank or name (it is gone)")
+        self._health.forget(info.id)
+        self._update_router()
+        return peer
+
+    def remove_member(self, rank: int, deadline: float, why: str) -> None:
+        """A dynamic group lost member ``rank`` (``why``: it left, or it is gone).
+
+        New calls to it fail at once; calls already sent to it are waited for until
+        ``deadline`` (a leaving member still serves them); what is left then fails
+        with a ``WorkerUnavailableError`` naming it and ``why``.
+        """
+        peer = self._peers.get(rank)
+        if peer is not None and rank != self.rank:
+            self._drop_member(peer, why, deadline)
+
+    def _drop_member(self, peer: _Peer, why: str, deadline: float | None = None) -> None:
+        rank = peer.info.id
+        with self._members_lock:
+            if self._peers.get(rank) is not peer:
+                return
+            self._peers = {r: p for r, p in self._peers.items() if r != rank}
+            self._by_name = {n: i for n, i in self._by_name.items() if i.id != rank}
+            self._departed[rank] = self._departed_names[peer.info.name] = (peer.info, why)
+        if deadline is not None:
+            delay = 0.001
+            in_pool = _threads.current_pool() is self._pool
+            with self._pool.blocking() if in_pool else contextlib.nullcontext():
+                while any(e[2] == rank for e in list(self._pending.values())) \
+                        and time.monotonic() < deadline:
+                    time.sleep(delay)
+                    delay = min(delay * 2, 0.02)
+        err = self._unavailable(rank, why)
+        for rid in [rid for rid, e in list(self._pending.items()) if e[2] == rank]:
+            self._fail(rid, err)
+        # Ours close now; the member closes those it opened (a leaving one still
+        # replies on them), or they ended with its process.
+        with self._conn_lock:
+            theirs = [c for c in self._incoming if c.peer_rank == rank]
+            ours = [c for c in self._lanes_out if c.peer_rank == rank]
+            out = peer.out  # not under peer.lock: a connect may hold it
+            if out is not None:
+                ours.append(out)
+            self._retired.update(theirs + ours)
+        for c in ours:
+            c.send_goodbye()
+            c.close()
+        self._health.forget(rank)
+        self._update_router()
+        for p in self._plugins:  # here, not on the pool: before the rank can be reused
+            hook = getattr(p, "peer_lost", None)
+            if hook is not None:
+                try:
+                    hook(rank, err)
+                except Exception:
+                    log.exception("torchwire: %r could not forget rank %d", p, rank)
+
+    def _update_router(self) -> None:
+        """Device maps of a dynamic group: route to the members of now."""
+        router = _devices.Router(self.name, [p.record for p in self._peers.values()])
+        ser.set_device_router(router.target if router else None)
 
     # ------------------------------------------------------------------ calls
 
@@ -310,7 +447,9 @@ class RpcAgent:
             self._sent_to[to.id] += 1
 
     def _connection_to(self, rank: int):
-        peer = self._peers[rank]
+        peer = self._peers.get(rank)
+        if peer is None:  # it left a dynamic group (a static one checks ranks before)
+            raise self._gone_error(rank)
         conn = peer.out
         if conn is not None and not conn.closed:
             return conn
@@ -339,7 +478,9 @@ class RpcAgent:
         Raises:
             WorkerUnavailableError: it is still out of reach.
         """
-        peer = self._peers[rank]
+        peer = self._peers.get(rank)
+        if peer is None:
+            return  # it left the group
         with peer.lock:  # callers do not wait on it: they see the peer down first
             if self.state is AgentState.CLOSED:
                 return
@@ -388,7 +529,10 @@ class RpcAgent:
         """A second TCP connection to ``rank`` for the second half of large buffers."""
         if self.state is AgentState.CLOSED:  # draining still replies: lanes welcome
             raise RpcStateError("RPC agent is shut down")
-        conn = self._connect(self._peers[rank], lane=True)
+        peer = self._peers.get(rank)
+        if peer is None:
+            raise self._gone_error(rank)
+        conn = self._connect(peer, lane=True)
         with self._conn_lock:
             if self.state is AgentState.CLOSED:
                 conn.close()
@@ -419,9 +563,9 @@ class RpcAgent:
                 "channel_min": self._channel_min, "shm_min": self._channel_min}
 
     def _unavailable(self, rank: int, why: str) -> WorkerUnavailableError:
-        info = self._peers[rank].info
-        return WorkerUnavailableError(f"worker {info.name} (rank {rank}) is unavailable: {why}",
-                                      worker_name=info.name)
+        name = self._name_of(rank)
+        return WorkerUnavailableError(f"worker {name} (rank {rank}) is unavailable: {why}",
+                                      worker_name=name)
 
     def _fail(self, rid: int, exc: BaseException) -> None:
         entry = self._pending.pop(rid, None)
@@ -443,7 +587,7 @@ class RpcAgent:
             if entry is None:
                 continue
             fut, _tick, peer, _conn, timeout, func, _sent = entry
-            name = self._peers[peer].info.name
+            name = self._name_of(peer)
             fut.set_exception(RpcTimeoutError(
                 f"RPC ran for more than set timeout ({int(timeout * 1000)} ms) and will now be "
                 f"marked with an error (call to {name}: {_func_name(func)})"))
@@ -493,7 +637,7 @@ class RpcAgent:
                 value, error = ser.loads(payload, tensors), None
             except SerializationError as exc:
                 value, error = None, SerializationError(
-                    f"cannot decode the reply from {self._peers[entry[2]].info.name}: {exc}")
+                    f"cannot decode the reply from {self._name_of(entry[2])}: {exc}")
         if self._pending.pop(rid, None) is None:
             return  # timed out while decoding
         fut, tick = entry[0], entry[1]
@@ -600,6 +744,9 @@ class RpcAgent:
         """Handshake thread: authenticate the peer; returns its reader loop to run next."""
         try:
             sock, rank = server_handshake(sock, self.rank, self._job, self.world_size, transport)
+            peer = self._peers.get(rank)
+            if self.membership is not None:
+                peer = self.membership.admit(rank, peer)
         except EOFError:
             sock.close()  # a liveness probe, or a peer that gave up: nothing to report
             return
@@ -610,12 +757,17 @@ class RpcAgent:
             except OSError:
                 pass
             return
+        if peer is None:  # authenticated, but not (or no longer) a member of the group
+            log.warning("torchwire: %s refused a %s connection from rank %d: not a member of "
+                        "the group", self.name, transport, rank)
+            sock.close()
+            return
         conn = Connection(sock, rank, self._on_frames, self._on_close,
                           max_message_size=self.max_message_size, initiated=False,
                           transport=transport,
-                          cma_pid=self._cma_pid(self._peers[rank].record, transport),
+                          cma_pid=self._cma_pid(peer.record, transport),
                           defer=self._pool.submit, spawn=self._spawn_reader,
-                          **self._shm_args(self._peers[rank].record, transport),
+                          **self._shm_args(peer.record, transport),
                           **self._lane_args(rank, transport))
         with self._conn_lock:
             if self.state is AgentState.CLOSED:
@@ -630,8 +782,8 @@ class RpcAgent:
             self._incoming.discard(conn)
             if conn in self._lanes_out:
                 self._lanes_out.remove(conn)
-        peer = self._peers[conn.peer_rank]
-        if peer.out is conn:
+        peer = self._peers.get(conn.peer_rank)
+        if peer is not None and peer.out is conn:
             with peer.lock:
                 if peer.out is conn:
                     peer.out = None
@@ -643,9 +795,11 @@ class RpcAgent:
                 err = self._unavailable(conn.peer_rank, why)
             for rid in [rid for rid, e in list(self._pending.items()) if e[3] is conn]:
                 self._fail(rid, err)
+        if conn in self._retired:
+            return  # with a member that was dropped: it tells nothing of the rank's newcomer
         if exc is not None and self.state is AgentState.RUNNING and not conn.goodbye_received:
             log.warning("torchwire: %s lost its connection to %s: %s", self.name,
-                        peer.info.name, exc)
+                        self._name_of(conn.peer_rank), exc)
         if exc is not None and not conn.goodbye_received:
             # Outside an orderly close, a lost connection means a lost peer (DESIGN.md).
             self._peer_lost(conn.peer_rank, f"connection lost ({exc})")
@@ -658,11 +812,13 @@ class RpcAgent:
         """
         if rank == self.rank or self.state is AgentState.CLOSED:
             return
-        first = self._health.mark_down(rank, why, dead)
+        peer = self._peers.get(rank)
+        # one that left a dynamic group is not remembered as down: nothing calls it
+        first = peer is not None and self._health.mark_down(rank, why, dead)
         err = self._unavailable(rank, why)
         with self._conn_lock:
             conns = [c for c in list(self._incoming) + self._lanes_out if c.peer_rank == rank]
-        out = self._peers[rank].out  # not under peer.lock: a connect may hold it
+        out = peer.out if peer is not None else None  # not under peer.lock: a connect may hold it
         if out is not None:
             conns.append(out)
         # Fail the pending calls first: closing wakes the readers, which would fail
@@ -673,8 +829,7 @@ class RpcAgent:
             c.close(err)
         if not first:
             return
-        log.warning("torchwire: %s lost worker %s: %s", self.name,
-                    self._peers[rank].info.name, why)
+        log.warning("torchwire: %s lost worker %s: %s", self.name, self._name_of(rank), why)
         for p in self._plugins:
             hook = getattr(p, "peer_lost", None)
             if hook is not None:
@@ -687,7 +842,9 @@ class RpcAgent:
         """Every socket connection, in and out (for the heartbeat)."""
         with self._conn_lock:
             conns = list(self._incoming)
-        return conns + [p.out for p in self._peers if isinstance(p.out, Connection)]
+            if self._retired:
+                conns = [c for c in conns if c not in self._retired]
+        return conns + [p.out for p in self._peers.values() if isinstance(p.out, Connection)]
 
     # ------------------------------------------------------------------ shutdown
 
@@ -701,13 +858,18 @@ class RpcAgent:
         if self.state is AgentState.CLOSED:
             return
         error = None
-        if graceful:
-            self.state = AgentState.DRAINING
-            try:
-                self._drain(time.monotonic() + timeout)
-            except RpcTimeoutError as exc:
-                error = exc
-        self._close_local()
+        try:
+            if graceful:
+                self.state = AgentState.DRAINING
+                try:
+                    if self.membership is not None:
+                        self.membership.leave(time.monotonic() + timeout)
+                    else:
+                        self._drain(time.monotonic() + timeout)
+                except RpcTimeoutError as exc:
+                    error = exc
+        finally:
+            self._close_local()  # whatever went wrong above
         if error is not None:
             raise error
 
@@ -845,25 +1007,14 @@ class RpcAgent:
 
     def _probe(self, rank: int) -> bool:
         """Is ``rank``'s listener still there?  (A dead process refuses connections.)"""
-        rec = self._peers[rank].record
-        try:
-            if rec.get("host") == self._host and rec.get("unix"):
-                sock = connect_unix(rec["unix"], 2.0)
-            else:
-                sock = connect_tcp(rec["tcp"], 2.0)
-        except socket.timeout:
-            return True  # unreachable for now is not proof of death
-        except OSError:
-            return False
-        sock.close()
-        return True
+        return listener_alive(self._peers[rank].record, self._host)
 
     def _close_local(self) -> None:
         with self._conn_lock:
             self.state = AgentState.CLOSED
             conns = list(self._incoming) + self._lanes_out
         self._listener.close()
-        for p in self._peers:
+        for p in self._peers.values():
             with p.lock:
                 if p.out is not None:
                     conns.append(p.out)

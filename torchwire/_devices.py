@@ -61,8 +61,11 @@ def _valid(d: torch.device, count: int) -> bool:
     return d.type == "cpu" or (d.type == "cuda" and 0 <= (d.index or 0) < count)
 
 
-def check_all(records: list[dict]) -> None:
+def check_all(records: list[dict], dynamic: bool = False) -> None:
     """Check every worker's device maps and devices against every device count.
+
+    ``dynamic``: the group's membership changes (``_membership.py``), so a map may
+    name a worker that has not joined yet; such a target is checked when it joins.
 
     Raises:
         ValueError: a bad name, a duplicated or out-of-range device (torch's phrases).
@@ -79,7 +82,9 @@ def check_all(records: list[dict]) -> None:
                              f"devices = {devices}\ndevice count = {counts[node]}")
         maps = r.get("device_maps", {})
         unknown = sorted(set(maps) - names)
-        if unknown:
+        if unknown and dynamic:
+            maps = {target: m for target, m in maps.items() if target in names}
+        elif unknown:
             raise ValueError(f"Node {node} has invalid target node names in its device maps\n"
                              f"device maps = {sorted(maps)}\nnode names = {sorted(names)}")
         for target, m in maps.items():

@@ -119,7 +119,15 @@ class PeerHealth:
             if rank in self._dead or self._down.pop(rank, None) is None:
                 return
         log.warning("torchwire: %s reaches %s again", self._agent.name,
-                    self._agent._peers[rank].info.name)
+                    self._agent._name_of(rank))
+
+    def forget(self, rank: int) -> None:
+        """``rank`` left a dynamic group, or a new member took it: start afresh."""
+        with self._lock:
+            self._down.pop(rank, None)
+            self._dead.discard(rank)
+            self.ever_down.discard(rank)
+            self._next_retry.pop(rank, None)
 
     def connect_failed(self, rank: int, exc: BaseException) -> tuple[str, bool]:
         """Why a connection to ``rank`` could not be made, and whether that is final.

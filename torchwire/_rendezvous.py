@@ -5,8 +5,10 @@ a prefix of their own, so a gloo process group may share the same store or
 ``file://`` init file.  Records are JSON, never pickles: the store is reachable
 by anyone who can reach its port, and must not become a way to run code here.
 
-Join protocol (every rank, in this order)::
+Static join protocol (``world_size`` given; every rank, in this order)::
 
+    0. claim  "group"      compare_set("", "static"): a group of the other kind
+                           (dynamic, see _membership.py) in this store is an error
     1. claim  "rank/<r>"   add(1) must return 1, else the rank is taken
     2. rank 0 sets "job"   a random job token: part of every connection's key, and the
                            secret itself unless the user gave one (see _wire/auth.py)
@@ -15,6 +17,9 @@ Join protocol (every rank, in this order)::
     5. read all records; duplicate names, or workers that disagree on "security"
        (user secret or not, TLS or not), are an error on every rank
     6. add(1) to "read": rank 0 keeps its store alive until every rank has read
+
+Without ``world_size`` (argument, ``?world_size=`` or ``WORLD_SIZE``) the group is
+dynamic: workers join and leave while it runs (``_membership.py``).
 """
 
 from __future__ import annotations
@@ -33,6 +38,11 @@ import torch.distributed as dist
 from ._errors import InvalidWorkerNameError, RendezvousError
 
 PREFIX = "torchwire"
+# torch's WorkerInfo id is an int16: the largest rank a dynamic group accepts.
+MAX_RANK = 2**15 - 1
+# torch's phrase, kept whole: ported code and torch's tests match on it.
+MIXED_GROUPS = ("RPC group mixes statically and dynamically initialized members which is not "
+                "supported.")
 _NAME_RE = re.compile(r"[A-Za-z0-9_:\-]+")
 MAX_NAME_LEN = 128
 
@@ -62,7 +72,9 @@ def check_worker_name(name) -> None:
 def _env_int(key: str, what: str) -> int:
     value = os.environ.get(key)
     if value is None:
-        raise ValueError(f"{what} was not given and environment variable {key} is not set")
+        # "environment variable RANK expected" is torch's phrase (its env:// handler's)
+        raise ValueError(f"{what} was not given: environment variable {key} expected, but not "
+                         "set")
     try:
         return int(value)
     except ValueError:
@@ -72,8 +84,13 @@ def _env_int(key: str, what: str) -> int:
 def open_store(init_method: str, rank: int | None, world_size: int | None, timeout: float):
     """Create the store an ``init_method`` names.
 
+    ``world_size`` is taken from the argument, else ``?world_size=`` in the
+    ``init_method``, else ``WORLD_SIZE``; with none of them it stays ``None``: the
+    worker joins a dynamic group.
+
     Returns:
-        ``(store, rank, world_size, store_host)``; ``store` is already prefixed.
+        ``(store, rank, world_size, store_host)``; ``store`` is already prefixed;
+        ``world_size`` is ``None`` for a dynamic group.
 
     Raises:
         ValueError: malformed ``init_method``, missing environment, bad rank.
@@ -90,11 +107,17 @@ def open_store(init_method: str, rank: int | None, world_size: int | None, timeo
         else:
             rank = _env_int("RANK", "rank")
     if world_size is None:
-        world_size = (int(query["world_size"]) if "world_size" in query
-                      else _env_int("WORLD_SIZE", "world_size"))
-    if world_size < 1:
+        if "world_size" in query:
+            world_size = int(query["world_size"])
+        elif "WORLD_SIZE" in os.environ:
+            world_size = _env_int("WORLD_SIZE", "world_size")
+    if world_size is None:
+        if not 0 <= rank <= MAX_RANK:
+            raise ValueError(f"rank {rank} is outside 0..{MAX_RANK}, the ranks a dynamic group "
+                             "(init_rpc without world_size) accepts")
+    elif world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
-    if not 0 <= rank < world_size:
+    elif not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is outside the world of size {world_size} "
                          f"(valid ranks: 0..{world_size - 1})")
     td = timedelta(seconds=timeout)
@@ -111,12 +134,10 @@ def open_store(init_method: str, rank: int | None, world_size: int | None, timeo
             host, port = url.hostname, url.port
         if not 0 <= port < 65536:
             raise ValueError(f"port must be in 0..65535, got {port}")
-        agent_store = (url.scheme == "env"
-                       and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True")
-        if agent_store:
+        if _agent_store(url.scheme):
             # torchrun's agent hosts the store and outlives restarts: one key space per attempt
             prefix = f"{PREFIX}/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
-        is_master = rank == 0 and not agent_store
+        is_master = hosts_store(init_method, rank)
         deadline = time.monotonic() + timeout
         if not is_master:
             # TCPStore's client retries with a random backoff that can overshoot the
@@ -141,7 +162,8 @@ def open_store(init_method: str, rank: int | None, world_size: int | None, timeo
         if not path:
             raise ValueError(f"init_method {init_method!r} must look like file:///path")
         try:
-            store = dist.FileStore(path, world_size)
+            # -1: nobody deletes the file (a dynamic group has no count of members to wait for)
+            store = dist.FileStore(path, world_size if world_size is not None else -1)
         except Exception as exc:
             raise RendezvousError(f"cannot open file store {path}: {exc}") from exc
         store.set_timeout(td)
@@ -150,6 +172,37 @@ def open_store(init_method: str, rank: int | None, world_size: int | None, timeo
         raise ValueError(f"unsupported init_method {init_method!r}: use env://, tcp://host:port "
                          "or file:///path")
     return dist.PrefixStore(prefix, store), rank, world_size, store_host
+
+
+def _agent_store(scheme: str) -> bool:
+    return scheme == "env" and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+
+
+def hosts_store(init_method: str, rank: int) -> bool:
+    """Does the worker of ``rank`` host the rendezvous store itself?  (rank 0 of
+    ``tcp://`` and ``env://``, unless torchrun's agent hosts it): it must leave last."""
+    scheme = urllib.parse.urlparse(init_method).scheme
+    return rank == 0 and scheme in ("env", "tcp") and not _agent_store(scheme)
+
+
+def claim_group_kind(store, kind: str) -> None:
+    """Record this store's group as ``"static"`` or ``"dynamic"`` (the first member
+    decides); a member of the other kind is refused.
+
+    Raises:
+        RendezvousError: the group is of the other kind (torch's message), or the
+            store failed.
+    """
+    try:
+        found = store.compare_set("group", "", kind).decode()
+    except Exception as exc:
+        raise RendezvousError(f"rendezvous store failed: {exc}") from exc
+    if found != kind:
+        how = "with" if found == "static" else "without"
+        raise RendezvousError(
+            f"{MIXED_GROUPS} This {kind} member cannot join: the group in this store was "
+            f"started by members that called init_rpc {how} world_size; give every member "
+            "the same kind of init_rpc call")
 
 
 def _wait_for_port(host: str, port: int, deadline: float) -> None:
@@ -180,6 +233,7 @@ def join(store, rank: int, world_size: int, record: dict, timeout: float
         RendezvousError: rank taken, duplicate names, peers missing after ``timeout``.
     """
     deadline = time.monotonic() + timeout
+    claim_group_kind(store, "static")
     try:
         claims = store.add(f"rank/{rank}", 1)
     except Exception as exc:
@@ -219,16 +273,24 @@ def join(store, rank: int, world_size: int, record: dict, timeout: float
         name, ranks = next(iter(dups.items()))
         problem = (f"worker name {name!r} is not unique: it is used by ranks {ranks}; "
                    "every worker needs a unique name")
-    elif len({json.dumps(r.get("security"), sort_keys=True) for r in records}) > 1:
-        setups = "; ".join(f"rank {r['rank']}: {r.get('security')}" for r in records)
-        problem = ("workers disagree on security settings (" + setups + "): give every worker "
-                   "the same auth_secret or TORCHWIRE_SECRET (or none to all), and TLS files "
-                   "to all or none")
+    else:
+        problem = security_disagreement(records)
     if problem:
         if rank == 0:  # keep the store up until every rank has read what it needs
             wait_count(store, "read", world_size, deadline)
         raise RendezvousError(problem)
     return records, job
+
+
+def security_disagreement(records: list[dict]) -> str | None:
+    """What is wrong when workers disagree on security settings (user secret or not,
+    TLS or not), else None."""
+    if len({json.dumps(r.get("security"), sort_keys=True) for r in records}) <= 1:
+        return None
+    setups = "; ".join(f"rank {r['rank']}: {r.get('security')}" for r in records)
+    return ("workers disagree on security settings (" + setups + "): give every worker "
+            "the same auth_secret or TORCHWIRE_SECRET (or none to all), and TLS files "
+            "to all or none")
 
 
 def wait_count(store, key: str, target: int, deadline: float) -> bool:

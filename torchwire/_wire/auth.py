@@ -220,9 +220,11 @@ def client_handshake(sock: socket.socket, my_rank: int, auth: JobAuth, expect_ra
     return sock
 
 
-def server_handshake(sock: socket.socket, my_rank: int, auth: JobAuth, world_size: int,
+def server_handshake(sock: socket.socket, my_rank: int, auth: JobAuth, world_size: int | None,
                      transport: str = "tcp"):
     """Accept a connection: challenge the peer, check its proof, prove ours.
+
+    ``world_size`` None (a dynamic group): any rank; the agent checks membership.
 
     Returns:
         ``(sock, peer_rank)``; ``sock`` is a :class:`TlsSocket` on a TLS link.
@@ -252,7 +254,7 @@ def server_handshake(sock: socket.socket, my_rank: int, auth: JobAuth, world_siz
         _refuse(sock, f"authentication failed: {MISMATCH_HINT}", deadline)
         raise AuthenticationError(f"peer {peer} (claiming rank {rank}) failed authentication: "
                                   "it does not know this job's secret")
-    if not 0 <= rank < world_size:
+    if world_size is not None and not 0 <= rank < world_size:
         _refuse(sock, f"rank {rank} is outside the world of {world_size}", deadline)
         raise ProtocolError(f"peer {peer} claims rank {rank} outside world of {world_size}")
     _send(sock, F.K_HELLO_ACK, 0, HELLO_ACK.pack(auth.mac(b"server", nonce_s, nonce_c, rank,

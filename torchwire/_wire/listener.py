@@ -153,6 +153,25 @@ def connect_unix(address: str, timeout: float) -> socket.socket:
     return sock
 
 
+def listener_alive(record: dict, my_host: str, timeout: float = 2.0) -> bool:
+    """Is the listener a rendezvous record names still there?
+
+    A closed listener refuses connections: its process is gone.  One that cannot be
+    told within ``timeout`` (an unreachable host) counts as alive: no proof of death.
+    """
+    try:
+        if record.get("host") == my_host and record.get("unix"):
+            sock = connect_unix(record["unix"], timeout)
+        else:
+            sock = connect_tcp(record["tcp"], timeout)
+    except socket.timeout:
+        return True
+    except OSError:
+        return False
+    sock.close()
+    return True
+
+
 def host_identity() -> str:
     """A string equal for two processes exactly when they share a kernel and network stack."""
     try:

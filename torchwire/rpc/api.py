@@ -12,13 +12,13 @@ import time
 
 import torch
 
-from .. import _devices, _rref
+from .. import _devices, _membership, _rref
 from .. import _serialization as ser
 from .._agent import AgentState, RpcAgent
 from .._errors import RendezvousError, RpcStateError
 from .._future import Future
 from .._rref import RRef
-from .._rendezvous import check_worker_name, join, open_store
+from .._rendezvous import check_worker_name, hosts_store, join, open_store
 from .._wire import cma, shm
 from .._wire.auth import JobAuth
 from .._wire.listener import Listener, host_identity
@@ -94,18 +94,26 @@ def _route_host(store_host: str | None) -> str:
 def init_rpc(name, backend=None, rank=-1, world_size=None, rpc_backend_options=None) -> None:
     """Join the job as worker ``name`` and start serving RPCs.
 
-    Blocks until every worker of the job has joined (or the init timeout passes).
+    With a world size, blocks until every worker of the job has joined (or the init
+    timeout passes).  Without one (neither ``world_size``, ``?world_size=`` in the
+    ``init_method`` nor ``WORLD_SIZE``), joins a dynamic group: it returns once the
+    members that joined before know this worker; later ones may join, and any
+    member may leave with :func:`shutdown`.
 
     Args:
         name: globally unique name (letters, digits, ``_``, ``-``, ``:``; < 128 chars).
         backend: ``None`` or a :class:`BackendType` (all map to torchwire's backend).
-        rank: this worker's rank, ``0 <= rank < world_size``; taken from ``RANK`` if -1.
-        world_size: number of workers; taken from ``WORLD_SIZE`` if ``None``.
+        rank: this worker's rank, ``0 <= rank < world_size`` (a dynamic group: unique,
+            0..32767); taken from ``RANK`` if -1.
+        world_size: number of workers; taken from ``WORLD_SIZE`` if ``None``; neither:
+            a dynamic group.
         rpc_backend_options: a :class:`TorchwireRpcBackendOptions`.
 
     Raises:
         ValueError: bad name, rank or world size, or bad ``init_method``.
-        RendezvousError: duplicate name or rank, unreachable store, missing peers.
+        RendezvousError: duplicate name or rank, unreachable store, missing peers; a
+            static and a dynamic member in one store; the dynamic group's lock not
+            had within the init timeout.
         RpcStateError: RPC is already initialized in this process.
 
     Example::
@@ -140,6 +148,7 @@ def init_rpc(name, backend=None, rank=-1, world_size=None, rpc_backend_options=N
         store, rank, world_size, store_host = open_store(options.init_method, rank,
                                                          world_size, timeout)
         listener = Listener(_listen_host(options, store_host), 0)
+        membership = None
         try:
             tcp = list(listener.tcp_address)
             if ipaddress.ip_address(tcp[0]).is_unspecified:  # every interface: name one
@@ -149,20 +158,36 @@ def init_rpc(name, backend=None, rank=-1, world_size=None, rpc_backend_options=N
                       "pid": os.getpid(), "cma": cma.probe_record(), "security": auth.record(),
                       "shm": shm.available() and channel_allowed(options, "shm")}
             record.update(_devices.encode(options.device_maps, options.devices))
-            records, job = join(store, rank, world_size, record,
-                               max(0.001, deadline - time.monotonic()))
-            _devices.check_all(records)  # the same data on every worker: the same error
+            if world_size is None:  # a dynamic group: members join and leave as they go
+                membership = _membership.join(store, record, deadline, timeout,
+                                              hosts_store(options.init_method, rank))
+                records, job = membership.records, membership.job
+            else:
+                records, job = join(store, rank, world_size, record,
+                                   max(0.001, deadline - time.monotonic()))
+                _devices.check_all(records)  # the same data on every worker: the same error
             router = _devices.Router(name, records)
             ser.set_device_router(router.target if router else None)
             agent = RpcAgent(name, rank, world_size, options, store, store_host, listener,
                              records, auth.bind(job))
         except BaseException:
+            if membership is not None:
+                membership.abort()
             listener.close()
             raise
-        _rref.start(agent)
+        ctx = _rref.start(agent)
         _gather._reset()
-        agent.start()
+        # Published before it serves: a peer's first request may run as soon as it does
+        # (and a dynamic group's members call it before attach returns).
         _agent = agent
+        agent.start()
+        if membership is not None:
+            try:
+                membership.attach(agent, deadline)  # every member learns of this worker
+            except BaseException:
+                _agent = None
+                _rref.stop(ctx)
+                raise
 
 
 def _adopt_options(options, backend):
@@ -203,7 +228,11 @@ def shutdown(graceful: bool = True, timeout: float = DEFAULT_SHUTDOWN_TIMEOUT) -
 
     With ``graceful=True`` (default) it blocks until every worker has called
     ``shutdown`` and all outstanding work in the job has finished, then closes
-    everything.  ``graceful=False`` closes this worker at once.
+    everything.  In a dynamic group (``init_rpc`` without a world size) it leaves
+    the group instead: once its own calls have finished, every other member stops
+    calling it, finishes its calls in flight to it and forgets it; the store's host
+    (rank 0 of ``tcp://``/``env://``) then waits until the others have left.
+    ``graceful=False`` closes this worker at once.
 
     Args:
         graceful: wait for the other workers and for outstanding work.
@@ -303,7 +332,8 @@ def _check_call(to, func, args, kwargs, timeout):
         args = tuple(args)
     if kwargs is not None and not isinstance(kwargs, dict):
         raise TypeError(f"kwargs must be a dict, got {type(kwargs).__name__}")
-    info = to if isinstance(to, WorkerInfo) and 0 <= to.id < agent.world_size else \
+    world = agent.world_size  # None: a dynamic group, whose members change
+    info = to if isinstance(to, WorkerInfo) and world is not None and 0 <= to.id < world else \
         agent.get_worker_info(to)
     return agent, info, args, kwargs, _resolve_timeout(agent, timeout)
 
