@@ -150,6 +150,10 @@ def test_a_peer_dying_while_mapping_segments_leaves_the_survivor_clean():
             die(("died", fut.done(), shm.stats()["mappings"]))
         with pytest.raises(rpc.WorkerUnavailableError, match="worker1"):
             fut.wait()
+        # the reader fails pending calls first, then closes the connection, which ends
+        # its leases: give it a bounded moment
+        from _cluster import wait_until
+        wait_until(lambda: shm.stats()["leased"] == 0, timeout=5.0)
         leased = shm.stats()["leased"]
         del big, fut
         import gc
