@@ -566,6 +566,43 @@ def test_a_held_tensor_survives_segment_recycling():
     assert kept_same, "a recycled segment changed a tensor the caller holds"
 
 
+def test_an_echoed_segment_is_waited_for_not_replaced():
+    """(e) continued: echoing a big tensor again and again reuses one segment.  The
+    callee's RELEASE leaves after its reply, so the caller's next send often comes
+    before it: the sender waits (bounded) for that segment rather than creating and
+    faulting in a new one (over a second for 1 GiB).  A callee that keeps what it
+    sends back makes such waits vain: the sender stops waiting for it after a few."""
+    def body(rank, world_size):
+        if rank:
+            return None
+        size = 32 << 20  # above shm._WAIT_MIN
+        x = make(torch.uint8, size, 95)
+        assert same(rpc.rpc_sync("worker1", echo, args=(x,)), x)  # warm-up: one segment
+        mine0 = shm.stats()
+        arrived = []
+        for _ in range(8):
+            y = rpc.rpc_sync("worker1", echo, args=(x,))
+            arrived.append(same(y, x))
+            del y
+        echoed = dict(grew(mine0, shm.stats()), vain=shm.stats()["vain_waits"])
+        kept = []
+        for i in range(5):  # the callee keeps each one
+            spec = (torch.uint8, size, 100 + i)
+            kept.append(same(rpc.rpc_sync("worker1", store_and_echo,
+                                          args=(f"k{i}", make(*spec))), make(*spec)))
+        held = [rpc.rpc_sync("worker1", held_matches, args=(f"k{i}", (torch.uint8, size,
+                                                                      100 + i)))
+                for i in range(5)]
+        return arrived, echoed, kept, held, shm.stats()["vain_waits"]
+
+    arrived, echoed, kept, held, vain = run_world(body, 2)[0]
+    assert arrived == [True] * 8
+    assert echoed["created"] == 0 and echoed["reused"] == 8, echoed
+    assert echoed["vain"] == 0, echoed
+    assert kept == [True] * 5 and held == [True] * 5
+    assert 1 <= vain <= shm._VAIN_MAX, vain  # waited in vain, then no more
+
+
 def test_a_segment_leased_twice_is_not_reused_until_both_leases_end():
     """(e) continued: a segment the callee maps twice (as received, and as sent on again
     by the caller in its own segment) stays out of reuse when one mapping goes."""

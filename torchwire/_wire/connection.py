@@ -572,6 +572,7 @@ class Connection:
                 tr = self.lanes.get(self.peer_rank, rid, total)
                 read_exact_into(tr.view[split:])
                 self.lanes.part_done(self.peer_rank, rid, tr)
+                tr = None  # kept, it would hold the buffer from the pool until the next frame
                 self.bytes_in += header_size + 8 + plen + lens[0]
                 continue
             release = 0

@@ -25,7 +25,9 @@ Segments are recycled: a sender keeps released segments mapped (their pages
 already faulted in, so the next copy runs at memory speed): at most
 ``MAX_FREE`` released ones, and up to ``warm_limit`` bytes of mappings; beyond
 it, a released segment is closed and a leased one is unmapped until it comes
-back.  The kernel frees a segment's pages
+back.  A sender that needs a big segment while the one its peer just sent back
+is still leased waits briefly for that RELEASE (see ``_await_release``) rather
+than create a new one.  The kernel frees a segment's pages
 when the last descriptor and mapping anywhere are gone, so a peer that dies
 leaves nothing behind; a segment leased to a peer whose connection closed is
 never written again (the peer may still be mapping it) and is closed once this
@@ -53,6 +55,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from .._errors import ConnectionClosedError, ProtocolError
+from .._threads import in_io_thread
 
 HOW_FD = 1  # the segment's descriptor travels with the frame
 HOW_BACK = 2  # a segment of the receiver's own, returned unmodified
@@ -63,6 +66,8 @@ _MAP_SHARED, _MAP_PRIVATE, _MAP_POPULATE = 0x01, 0x02, 0x8000
 _SEALS = getattr(fcntl, "F_SEAL_SHRINK", 2) | getattr(fcntl, "F_SEAL_GROW", 4)
 MAX_FREE = 8  # released segments kept for reuse (oldest closed first)
 _COPY_SPLIT = 8 << 20  # copies larger than this are split across threads
+_WAIT_MIN = 16 << 20  # below this, a new segment costs less than waiting for a release
+_VAIN_MAX = 2  # waits for a peer's releases that may time out before it is not waited for
 
 _libc = None
 if sys.platform.startswith("linux") and hasattr(os, "memfd_create"):
@@ -172,7 +177,7 @@ def _check_open(conn) -> None:
 
 
 class _Segment:
-    __slots__ = ("id", "fd", "size", "addr", "leases", "local", "tainted")
+    __slots__ = ("id", "fd", "size", "addr", "leases", "local", "tainted", "echoed")
 
     def __init__(self, seg_id: int, fd: int, size: int) -> None:
         self.id = seg_id
@@ -182,6 +187,7 @@ class _Segment:
         self.leases: dict = {}  # connection -> mappings the peer holds
         self.local = 0  # private mappings of it in this process
         self.tainted = False  # leased to a peer now gone: never written again
+        self.echoed = False  # the peer sent it back to us: its release is likely on its way
 
     @property
     def busy(self) -> bool:
@@ -255,6 +261,8 @@ _releaser = _Releaser()
 class _Channel:
     def __init__(self) -> None:
         self.lock = threading.RLock()  # weakref callbacks may run inside a locked section
+        self.settled = threading.Condition(self.lock)  # a segment joined self.free
+        self.vain: dict = {}  # connection -> waits for its releases that timed out
         self.segs: dict[int, _Segment] = {}
         self.free: list[_Segment] = []
         self.mapped = 0  # bytes of shared mappings this process holds
@@ -264,7 +272,7 @@ class _Channel:
         self.maps: dict[int, _Mapping] = {}
         self.views: dict[int, tuple] = {}  # id(view) -> (weakref, mapping)
         self.counters = dict(created=0, reused=0, copies=0, copied_bytes=0, sent_back=0,
-                             sent_own=0, received=0, released=0)
+                             sent_own=0, received=0, released=0, waits=0, vain_waits=0)
 
     # ------------------------------------------------------------ sending
 
@@ -314,10 +322,13 @@ class _Channel:
             for s in self.free:
                 if size <= s.size < 2 * size and (best is None or s.size < best.size):
                     best = s
+            if best is None and size >= _WAIT_MIN and not in_io_thread():
+                best = self._await_release(size)
             if best is not None:
                 self.free.remove(best)
                 self.counters["reused"] += 1
                 seg = best
+                seg.echoed = False
             else:
                 fd = os.memfd_create("torchwire", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
                 try:
@@ -335,6 +346,39 @@ class _Channel:
                 seg.addr = _map(seg.fd, seg.size, _MAP_SHARED | _MAP_POPULATE)
                 self.mapped += seg.size
             return seg
+
+    def _await_release(self, size: int) -> _Segment | None:
+        """Wait (briefly) for a leased segment that fits ``size`` to come back.
+
+        The echo pattern (send a tensor, get it back, send again) races the peer's
+        RELEASE, which leaves after its reply: losing the race means creating and
+        faulting in a new segment (a second or more for 1 GiB) instead of waiting
+        the few hundred microseconds the release takes.  Only a segment the peer
+        already sent back and we no longer map qualifies, and the wait is bounded by
+        about what creating one would cost.  A peer that keeps what it sends back (a
+        parameter server returning a stored tensor) would make every such wait
+        vain: after ``_VAIN_MAX`` vain waits for one connection, its segments are
+        not waited for again.  Called with ``self.lock`` held.
+        """
+        cand = None
+        for s in self.segs.values():
+            if (size <= s.size < 2 * size and s.echoed and not s.local and not s.tainted
+                    and len(s.leases) == 1):
+                conn = next(iter(s.leases))
+                if self.vain.get(conn, 0) < _VAIN_MAX:
+                    cand = s
+                    break
+        if cand is None:
+            return None
+        self.counters["waits"] += 1
+        self.settled.wait_for(lambda: cand in self.free or cand.id not in self.segs
+                              or cand.tainted, timeout=min(0.5, size / 2e9))
+        if cand in self.free:
+            self.vain.pop(conn, None)
+            return cand
+        self.vain[conn] = self.vain.get(conn, 0) + 1
+        self.counters["vain_waits"] += 1
+        return None
 
     def _make_room(self, size: int) -> None:
         """Close released segments, then unmap leased ones, until ``size`` more
@@ -368,6 +412,7 @@ class _Channel:
             self.free.append(seg)
             while len(self.free) > MAX_FREE:  # bound descriptors and mappings too
                 self._close(self.free.pop(0))
+            self.settled.notify_all()
 
     def release(self, conn, seg_id: int, retire: bool = False) -> None:
         """``conn``'s peer has unmapped one lease of segment ``seg_id`` (``retire``:
@@ -398,6 +443,8 @@ class _Channel:
             for m in self.maps.values():
                 if m.conn is conn:
                     m.conn = None  # no back-references on another connection
+            self.vain.pop(conn, None)
+            self.settled.notify_all()  # a sender waiting for one of its segments gives up
 
     # ------------------------------------------------------------ receiving
 
@@ -436,6 +483,7 @@ class _Channel:
             except OSError as exc:
                 raise ProtocolError(f"cannot map shared-memory segment {seg_id}: {exc}") from exc
             seg.local += 1
+            seg.echoed = True
         return self._lend(_Mapping(base, length, seg_id, start, None, True), offset - start, n)
 
     def _lend(self, m: _Mapping, skip: int, n: int) -> torch.Tensor:
@@ -487,6 +535,7 @@ class _Channel:
 
     def after_fork_in_child(self) -> None:
         self.lock = threading.RLock()  # the parent's may be held by a thread not copied
+        self.settled = threading.Condition(self.lock)
 
     def _find(self, addr: int) -> _Mapping | None:
         with self.lock:
