@@ -487,6 +487,51 @@ def test_async_execution_holds_no_pool_thread(world):
     assert threads <= 16 + connections, (threads, connections)  # not one per parked call
 
 
+_gates: dict = {}
+
+
+def wait_for_gate(key):
+    """Blocks on a plain threading.Event (nothing torchwire knows of) until
+    ``open_gate(key)`` runs, at most 20 s; True if it was opened."""
+    return _gates.setdefault(key, threading.Event()).wait(20)
+
+
+def open_gate(key):
+    _gates.setdefault(key, threading.Event()).set()
+    return True
+
+
+def inline_stats():
+    from torchwire._wire.connection import inline_stats
+    return inline_stats()
+
+
+def body_reader_runs_requests_in_place():
+    # A lone request runs on the reader thread that read it (no thread wake-up).
+    # Meanwhile nobody reads that connection, so a request that blocks where
+    # torchwire cannot see it must still let the next request in: the watchdog
+    # hands the reading to another thread.  Without it, open_gate would only be
+    # read after wait_for_gate gave up 20 s later, and it would return False.
+    before = rpc.rpc_sync("worker1", inline_stats)
+    for _ in range(200):
+        rpc.rpc_sync("worker1", add, args=(1, 1))
+    quick = rpc.rpc_sync("worker1", inline_stats)
+    waiting = rpc.rpc_async("worker1", wait_for_gate, args=("g1",))
+    time.sleep(0.2)  # let it start (in place: it is alone on the connection)
+    opened = rpc.rpc_sync("worker1", open_gate, args=("g1",))
+    return before, quick, opened, waiting.wait(), rpc.rpc_sync("worker1", inline_stats)
+
+
+def test_a_reader_runs_a_lone_request_in_place_and_never_starves_the_next(world):
+    before, quick, opened, gate_seen, after = world.run(0, body_reader_runs_requests_in_place)
+    runs = quick["runs"] - before["runs"]
+    handed = quick["handed_off"] - before["handed_off"]
+    assert runs >= 150, (before, quick)  # most of the 200 calls ran in place ...
+    assert handed <= runs // 4, (before, quick)  # ... and finished without a hand-off
+    assert opened and gate_seen, "a request blocked in place kept the next one from running"
+    assert after["handed_off"] > quick["handed_off"], (quick, after)
+
+
 def body_many_threads():
     errors, results = [], []
     lock = threading.Lock()

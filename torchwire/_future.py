@@ -116,6 +116,8 @@ class Future(torch.futures.Future):
         RRefs and tensors included.
         """
         try:
+            if not self.done():
+                _threads.before_blocking()
             pool = _threads.current_pool()
             if pool is not None and not self.done():
                 with pool.blocking():
@@ -182,6 +184,7 @@ def wait_all(futures):
     for f in futures:
         torch._C.Future.add_done_callback(f, one_done)  # inline: bookkeeping only
     if not finished.is_set():
+        _threads.before_blocking()
         pool = _threads.current_pool()
         if pool is not None:
             with pool.blocking():

@@ -49,6 +49,7 @@ import weakref
 import torch
 
 from . import _serialization as ser
+from . import _threads
 from ._errors import RpcStateError, RpcTimeoutError, WorkerUnavailableError
 from ._future import Deferred, Future
 
@@ -107,6 +108,8 @@ class _Entry:
 def _wait_done(fut, timeout: float, what: str) -> None:
     done = threading.Event()
     fut.add_done_callback(lambda _f: done.set())
+    if not done.is_set():
+        _threads.before_blocking()
     if not done.wait(timeout):
         raise RpcTimeoutError(f"RPC ran for more than set timeout ({int(timeout * 1000)} ms) "
                               f"waiting for {what}")

@@ -28,3 +28,17 @@ def set_current_pool(pool) -> None:
 def current_pool():
     """The pool the calling thread belongs to, or ``None``."""
     return getattr(_local, "pool", None)
+
+
+def set_inline_run(run) -> None:
+    """The reader's inline run the calling thread is executing (or ``None``)."""
+    _local.inline = run
+
+
+def before_blocking() -> None:
+    """Called before a thread blocks on a torchwire result: a reader running a
+    request in place first hands its reading off, so that the reply it may be
+    waiting for (on its own connection) gets read."""
+    run = getattr(_local, "inline", None)
+    if run is not None:
+        run.hand_off()

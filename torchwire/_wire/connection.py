@@ -25,6 +25,7 @@ import logging
 import os
 import socket
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 
@@ -417,21 +418,29 @@ class Connection:
     # ------------------------------------------------------------------ reading
 
     def _read_loop(self) -> None:
-        """Read until the connection ends, or until handing the reading off.
+        """Read until the connection ends, or until the reading is handed off.
 
-        Hand-off (leader/follower): when a read leaves exactly one request and an
-        empty buffer, ``on_frames`` may return that request as a callable.  This
-        thread then asks ``spawn`` for another thread to go on reading (with a
-        fresh buffer: there is no state to pass) and runs the request itself, so
-        the request skips the reader -> pool hand-off on its way to execution.
+        Inline runs (leader/follower, lazily): when a read leaves exactly one
+        request and an empty buffer, ``on_frames`` may return that request as a
+        callable, and this thread runs it itself: the request skips the reader ->
+        pool hand-off on its way to execution.  Meanwhile nobody reads, so the
+        reading is handed to another thread (``spawn``; a fresh buffer, as there is
+        no state to pass) when the request blocks on a torchwire result
+        (``_threads.before_blocking``) or runs longer than ``INLINE_MAX_S`` (the
+        watchdog).  A request that finishes first, the usual case, costs no thread
+        wake-up at all; one that was handed off leaves this thread done.
         """
         _threads.set_io(True)
+        try:
+            self._read_until_closed()
+        finally:
+            # this may be a pool thread, back to running user code
+            _threads.set_io(False)
+
+    def _read_until_closed(self) -> None:
         exc: BaseException | None = None
         try:
-            inline = self._read_frames()
-            if inline is not None:
-                _threads.set_io(False)
-                inline()
+            if self._read_frames() is _HANDED_OFF:
                 return
         except (OSError, EOFError, ProtocolError, ConnectionClosedError) as e:
             exc = e
@@ -664,8 +673,25 @@ class Connection:
                 inline = on_frames(self, batch, self._spawn is not None)
                 batch = None
                 if inline is not None:
-                    self._spawn(self._read_loop)
-                    return inline
+                    if self._run_inline(inline):
+                        return _HANDED_OFF
+                    inline = None
+
+    def _run_inline(self, request) -> bool:
+        """Run ``request`` on this reader thread; True if the reading was handed
+        off meanwhile (this thread must then stop reading)."""
+        run = _InlineRun(self)
+        _watchdog.begin(run)
+        _threads.set_io(False)
+        _threads.set_inline_run(run)
+        try:
+            request()
+        except Exception:  # requests report their own errors; this is a bug
+            log.exception("torchwire: request from rank %s failed in place", self.peer_rank)
+        finally:
+            _threads.set_inline_run(None)
+            _threads.set_io(True)
+        return _watchdog.end(run)
 
     # ------------------------------------------------------------------ closing
 
@@ -700,6 +726,105 @@ class Connection:
             self._reader_done.wait(timeout)
 
 
+_HANDED_OFF = object()  # _read_frames: another thread reads this connection now
+INLINE_MAX_S = 0.002  # a request running in place longer than this hands the reading off
+
+
+class _InlineRun:
+    """A request a reader thread runs in place (see ``Connection._read_loop``)."""
+
+    __slots__ = ("conn", "started", "handed", "done")
+
+    def __init__(self, conn: Connection) -> None:
+        self.conn = conn
+        self.started = time.monotonic()
+        self.handed = False
+        self.done = False
+
+    def hand_off(self) -> None:
+        """Have another thread go on reading the connection (at most once)."""
+        with _watchdog.lock:
+            if self.handed or self.done:
+                return
+            self.handed = True
+            _watchdog.runs.discard(self)
+            _watchdog.handed += 1
+        try:
+            self.conn._spawn(self.conn._read_loop)
+        except Exception:  # the pool is shut down: the connection is closing anyway
+            log.debug("torchwire: no thread to go on reading rank %s", self.conn.peer_rank,
+                      exc_info=True)
+
+
+class _Watchdog:
+    """Hands the reading off for inline runs that take longer than ``INLINE_MAX_S``.
+
+    One thread per process, sleeping on a condition while no request runs in
+    place and polling every ``INLINE_MAX_S / 2`` while some do: a stream of short
+    requests wakes it at most once per poll period, not once per request.
+    """
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.cond = threading.Condition(self.lock)
+        self.runs: set = set()
+        self.idle = False
+        self.pid = -1
+        self.started = 0  # inline runs begun
+        self.handed = 0  # of which handed their reading off
+
+    def begin(self, run: _InlineRun) -> None:
+        if self.pid != os.getpid():
+            self._start()
+        with self.lock:
+            self.started += 1
+            self.runs.add(run)
+            if self.idle:
+                self.idle = False
+                self.cond.notify()
+
+    def end(self, run: _InlineRun) -> bool:
+        with self.lock:
+            run.done = True
+            self.runs.discard(run)
+            return run.handed
+
+    def _start(self) -> None:
+        with _start_lock:
+            if self.pid == os.getpid():
+                return
+            self.lock = threading.Lock()  # after a fork: the parent's may be held
+            self.cond = threading.Condition(self.lock)
+            self.runs = set()
+            self.idle = False
+            threading.Thread(target=self._run, daemon=True, name="torchwire-watchdog").start()
+            self.pid = os.getpid()
+
+    def _run(self) -> None:
+        _threads.mark_io_thread()
+        period = INLINE_MAX_S / 2
+        while True:
+            with self.lock:
+                while not self.runs:
+                    self.idle = True
+                    self.cond.wait()
+                    self.idle = False
+            time.sleep(period)
+            now = time.monotonic()
+            with self.lock:
+                late = [r for r in self.runs if now - r.started >= INLINE_MAX_S]
+            for run in late:
+                run.hand_off()
+
+
+_watchdog = _Watchdog()
+
+
+def inline_stats() -> dict:
+    """Requests run in place by a reader, and how many of them handed the reading off."""
+    return {"runs": _watchdog.started, "handed_off": _watchdog.handed}
+
+_start_lock = threading.Lock()
 _transfer_ids = itertools.count(1)  # next() is atomic under the GIL
 _lane_pool = None
 _lane_pool_lock = threading.Lock()

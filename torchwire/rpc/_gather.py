@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import threading
 
+from .. import _threads
 from ._options import DEFAULT_SHUTDOWN_TIMEOUT, UNSET_RPC_TIMEOUT
 
 log = logging.getLogger("torchwire")
@@ -116,6 +117,8 @@ def _all_gather(obj, worker_names=None, timeout: float = UNSET_RPC_TIMEOUT) -> d
 
 def _wait(event: threading.Event, timeout: float | None, agent) -> bool:
     """Wait for ``event``; without a timeout, as long as the agent runs."""
+    if not event.is_set():
+        _threads.before_blocking()
     if timeout is not None:
         return event.wait(timeout)
     from .._agent import AgentState
