@@ -55,6 +55,7 @@ import threading
 import time
 import traceback
 import weakref
+from functools import partial
 
 import torch
 
@@ -78,6 +79,7 @@ from .rpc._options import channel_allowed
 log = logging.getLogger("torchwire")
 
 _LIVENESS_PERIOD = 1.0  # seconds between liveness checks while shutdown waits
+_INLINE_MAX = 4  # a reader runs a batch of at most this many requests itself
 
 
 class AgentState(enum.Enum):
@@ -598,15 +600,11 @@ class RpcAgent:
     def _on_frames(self, conn, frames, inline_ok: bool = False):
         """Reader thread: dispatch a batch of decoded frames.
 
-        Returns a callable when the batch is one lone request that the reader may
-        run itself after handing its reading off (see ``Connection._read_loop``).
+        Returns a list of callables when the batch ends the buffer and holds a few
+        requests (``_INLINE_MAX``): the reader runs them itself, in order (see
+        ``Connection._read_loop``; a ``remote()`` followed by ``to_here()``
+        typically arrives as two).
         """
-        if inline_ok and len(frames) == 1 and frames[0][0] == F.K_REQUEST:
-            _kind, _flags, rid, payload, tensors = frames[0]
-            with self._stats_lock:
-                self._received += 1
-                self._recv_from[conn.peer_rank] += 1
-            return lambda: self._serve(conn, rid, payload, tensors)
         work = []
         for kind, flags, rid, payload, tensors in frames:
             if kind == F.K_RESPONSE:
@@ -621,6 +619,8 @@ class RpcAgent:
             with self._stats_lock:
                 self._received += len(work)
                 self._recv_from[conn.peer_rank] += len(work)
+            if inline_ok and len(work) <= _INLINE_MAX:
+                return [partial(fn, *args) for fn, args in work]
             self._pool.submit_many(work)
         return None
 

@@ -139,7 +139,7 @@ class Connection:
         peer_rank: the rank the handshake proved.
         on_frames: ``on_frames(conn, frames)`` with a list of
             ``(kind, flags, request_id, payload, tensors)``; called on the reader thread
-            with ``inline_ok``: whether it may return one request to run in place.
+            with ``inline_ok``: whether it may return requests to run in place.
         on_close: ``on_close(conn, exc_or_None)``; called once, on the reader thread.
         max_message_size: frames larger than this are a protocol error.
     """
@@ -677,17 +677,25 @@ class Connection:
                         return _HANDED_OFF
                     inline = None
 
-    def _run_inline(self, request) -> bool:
-        """Run ``request`` on this reader thread; True if the reading was handed
-        off meanwhile (this thread must then stop reading)."""
-        run = _InlineRun(self)
+    def _run_inline(self, requests) -> bool:
+        """Run ``requests`` (callables) in order on this reader thread; True if the
+        reading was handed off meanwhile (this thread must then stop reading; the
+        requests not started by then went to the pool)."""
+        run = _InlineRun(self, requests)
         _watchdog.begin(run)
         _threads.set_io(False)
         _threads.set_inline_run(run)
         try:
-            request()
-        except Exception:  # requests report their own errors; this is a bug
-            log.exception("torchwire: request from rank %s failed in place", self.peer_rank)
+            while True:
+                request = run.next()
+                if request is None:
+                    break
+                try:
+                    request()
+                except Exception:  # requests report their own errors; this is a bug
+                    log.exception("torchwire: request from rank %s failed in place",
+                                  self.peer_rank)
+                request = None
         finally:
             _threads.set_inline_run(None)
             _threads.set_io(True)
@@ -733,23 +741,36 @@ INLINE_MAX_S = 0.002  # a request running in place longer than this hands the re
 class _InlineRun:
     """A request a reader thread runs in place (see ``Connection._read_loop``)."""
 
-    __slots__ = ("conn", "started", "handed", "done")
+    __slots__ = ("conn", "rest", "started", "handed", "done")
 
-    def __init__(self, conn: Connection) -> None:
+    def __init__(self, conn: Connection, requests) -> None:
         self.conn = conn
-        self.started = time.monotonic()
+        self.rest = collections.deque(requests)
+        self.started = time.monotonic()  # of the request running now
         self.handed = False
         self.done = False
 
+    def next(self):
+        """The next request to run here, or None (all done, or handed off)."""
+        with _watchdog.lock:
+            if self.handed or not self.rest:
+                return None
+            self.started = time.monotonic()
+            return self.rest.popleft()
+
     def hand_off(self) -> None:
-        """Have another thread go on reading the connection (at most once)."""
+        """Have another thread go on reading the connection (at most once); the
+        requests not started yet go to the pool."""
         with _watchdog.lock:
             if self.handed or self.done:
                 return
             self.handed = True
             _watchdog.runs.discard(self)
             _watchdog.handed += 1
+            rest, self.rest = list(self.rest), collections.deque()
         try:
+            for request in rest:
+                self.conn._defer(request)
             self.conn._spawn(self.conn._read_loop)
         except Exception:  # the pool is shut down: the connection is closing anyway
             log.debug("torchwire: no thread to go on reading rank %s", self.conn.peer_rank,
