@@ -420,15 +420,15 @@ class Connection:
     def _read_loop(self) -> None:
         """Read until the connection ends, or until the reading is handed off.
 
-        Inline runs (leader/follower, lazily): when a read leaves exactly one
-        request and an empty buffer, ``on_frames`` may return that request as a
-        callable, and this thread runs it itself: the request skips the reader ->
-        pool hand-off on its way to execution.  Meanwhile nobody reads, so the
-        reading is handed to another thread (``spawn``; a fresh buffer, as there is
-        no state to pass) when the request blocks on a torchwire result
-        (``_threads.before_blocking``) or runs longer than ``INLINE_MAX_S`` (the
-        watchdog).  A request that finishes first, the usual case, costs no thread
-        wake-up at all; one that was handed off leaves this thread done.
+        Inline runs (leader/follower, lazily): when a read leaves a few requests
+        and an empty buffer, ``on_frames`` may return them as callables, and this
+        thread runs them itself, in order: they skip the reader -> pool hand-off on
+        their way to execution.  Meanwhile nobody reads, so the reading is handed
+        to another thread (``spawn``; a fresh buffer, as there is no state to pass;
+        the requests not started go to the pool) when a request blocks on a
+        torchwire result (``_threads.before_blocking``) or runs longer than
+        ``INLINE_MAX_S`` (the watchdog).  Requests that finish first, the usual
+        case, cost no thread wake-up at all; after a hand-off this thread is done.
         """
         _threads.set_io(True)
         try:
@@ -739,7 +739,7 @@ INLINE_MAX_S = 0.002  # a request running in place longer than this hands the re
 
 
 class _InlineRun:
-    """A request a reader thread runs in place (see ``Connection._read_loop``)."""
+    """Requests a reader thread runs in place (see ``Connection._read_loop``)."""
 
     __slots__ = ("conn", "rest", "started", "handed", "done")
 
@@ -844,6 +844,7 @@ _watchdog = _Watchdog()
 def inline_stats() -> dict:
     """Requests run in place by a reader, and how many of them handed the reading off."""
     return {"runs": _watchdog.started, "handed_off": _watchdog.handed}
+
 
 _start_lock = threading.Lock()
 _transfer_ids = itertools.count(1)  # next() is atomic under the GIL
