@@ -691,3 +691,65 @@ def test_public_names_are_exported_and_documented():
             assert obj.__doc__, f"{module.__name__}.{name} has no docstring"
             assert obj.__module__ == module.__name__
     assert dist_autograd.is_available() is True
+
+
+# ---------------------------------------------------------------- intra-op threads of small passes
+
+_PROBED: list = []
+
+
+class ThreadProbe(torch.autograd.Function):
+    """Identity; its backward notes the intra-op threads its thread may use."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x * 1
+
+    @staticmethod
+    def backward(ctx, g):
+        _PROBED.append(torch.get_num_threads())
+        return g
+
+
+def square(x):
+    return x ** 2
+
+
+def probed_threads():
+    out = list(_PROBED)
+    _PROBED.clear()
+    return out
+
+
+def body_thread_probe(numel):
+    from torchwire.autograd import _backward
+    prev = torch.get_num_threads()
+    torch.set_num_threads(2)  # this thread's setting (the suite runs with 1)
+    try:
+        threads_before = torch.get_num_threads()
+        x = torch.rand(64, requires_grad=True)
+        w = torch.rand(numel, requires_grad=True)  # a leaf of the root pass: its size
+        with dist_autograd.context() as cid:
+            y = rpc.rpc_sync("worker1", square, args=(x,))
+            loss = ThreadProbe.apply(y).sum() + w.sum()
+            dist_autograd.backward(cid, [loss])  # the root pass runs on this thread
+            grads = dist_autograd.get_gradients(cid)
+        threads_after = torch.get_num_threads()
+    finally:
+        torch.set_num_threads(prev)
+    return (grads[x], x, grads[w], probed_threads(), threads_before, threads_after,
+            _backward._omp is not None)
+
+
+@pytest.mark.parametrize("small", [True, False])
+def test_small_passes_run_single_threaded_and_restore_the_setting(world, small):
+    from torchwire.autograd._backward import SERIAL_MAX_ELEMENTS
+    numel = 64 if small else SERIAL_MAX_ELEMENTS
+    gx, x, gw, probed, before, after, omp = world.run(0, body_thread_probe, numel)
+    torch.testing.assert_close(gx, 2 * x)  # d(x^2)/dx: the pass went through worker1
+    torch.testing.assert_close(gw, torch.ones(numel))
+    if not omp:
+        pytest.skip("torch's intra-op threads are not OpenMP threads here")
+    assert before == 2 and after == 2  # the calling thread's setting is back after its pass
+    # the root pass ran on the calling thread: alone when small, with its 2 threads if not
+    assert probed == ([1] if small else [2])

@@ -46,6 +46,8 @@ _MAX_FDS = 250  # descriptors per frame (the kernel takes at most 253 per sendms
 LANE_MIN = 8 << 20  # TCP buffers from this size are split over the connection and a lane
 _LANE_PENDING_MAX = 256  # split buffers a peer may have half-sent at once
 _ANC_SPACE = socket.CMSG_SPACE(253 * 4) if hasattr(socket, "CMSG_SPACE") else 0
+_CLOEXEC = int(socket.MSG_CMSG_CLOEXEC)
+_CTRUNC = int(socket.MSG_CTRUNC)
 
 
 class _Fds:
@@ -486,14 +488,13 @@ class Connection:
         fdq = self._fdq
         if self.shm_recv:  # descriptors may ride with the bytes: read them too
             def recv_into(view) -> int:
-                got, anc, msg_flags, _ = sock.recvmsg_into([view], _ANC_SPACE,
-                                                           socket.MSG_CMSG_CLOEXEC)
+                got, anc, msg_flags, _ = sock.recvmsg_into([view], _ANC_SPACE, _CLOEXEC)
                 for level, typ, data in anc:
                     if level == socket.SOL_SOCKET and typ == socket.SCM_RIGHTS:
                         fds = array.array("i")
                         fds.frombytes(data[:len(data) - len(data) % fds.itemsize])
                         fdq.extend(fds)
-                if msg_flags & socket.MSG_CTRUNC:
+                if msg_flags & _CTRUNC:
                     raise ProtocolError("descriptors from the peer were truncated")
                 return got
         else:
@@ -795,7 +796,7 @@ class _Watchdog:
         self.handed = 0  # of which handed their reading off
 
     def begin(self, run: _InlineRun) -> None:
-        if self.pid != os.getpid():
+        if self.pid != _pid[0]:
             self._start()
         with self.lock:
             self.started += 1
@@ -812,14 +813,14 @@ class _Watchdog:
 
     def _start(self) -> None:
         with _start_lock:
-            if self.pid == os.getpid():
+            if self.pid == _pid[0]:
                 return
             self.lock = threading.Lock()  # after a fork: the parent's may be held
             self.cond = threading.Condition(self.lock)
             self.runs = set()
             self.idle = False
             threading.Thread(target=self._run, daemon=True, name="torchwire-watchdog").start()
-            self.pid = os.getpid()
+            self.pid = _pid[0]
 
     def _run(self) -> None:
         _threads.mark_io_thread()
@@ -838,6 +839,8 @@ class _Watchdog:
                 run.hand_off()
 
 
+_pid = [os.getpid()]  # this process's pid (os.getpid() is a system call)
+os.register_at_fork(after_in_child=lambda: _pid.__setitem__(0, os.getpid()))
 _watchdog = _Watchdog()
 
 
