@@ -16,6 +16,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 import warnings
 from pathlib import Path
 
@@ -706,6 +707,64 @@ def test_connection_delivers_frames_with_their_tensors():
     finally:
         sender.close()
         conn.close()
+
+
+def _cma_frame(rid: int, t: torch.Tensor, token: int) -> bytes:
+    """A request whose one buffer stays in this process's memory (CMA)."""
+    n = tensor_nbytes(t)
+    return (F.encode_header(F.K_REQUEST, F.F_CMA, rid, 3, [n | F.REMOTE_BIT]) + b"abc"
+            + F.REMOTE_REF.pack(t.data_ptr(), token))
+
+
+def test_a_reader_sends_cma_releases_itself_and_never_blocks_on_a_full_socket():
+    import os
+    a, b = socket.socketpair()
+    sink = _Sink()
+    deferred: list = []
+    ran = threading.Event()
+
+    def defer(fn, *args):  # the pool: record, run on another thread
+        deferred.append(fn)
+        threading.Thread(target=lambda: (fn(*args), ran.set()), daemon=True).start()
+
+    # This process plays the peer: the reader reads the buffers from our own memory.
+    conn = Connection(a, 1, sink.on_frames, sink.on_close, initiated=False, transport="unix",
+                      cma_pid=os.getpid(), defer=defer)
+    conn.start()
+    src = torch.arange(100_000, dtype=torch.int32)
+    try:
+        # 1. An idle socket: the reader writes the RELEASE itself, no other thread.
+        b.sendall(_cma_frame(11, src, token=7))
+        got = b.recv(F.HEADER_SIZE)
+        assert F.HEADER.unpack(got)[2:5] == (F.K_RELEASE, 0, 7)
+        assert deferred == []
+        assert sink.frames[0][4][0].view(torch.int32).equal(src)
+        # 2. The socket towards the peer is full: the reader must not block on it.
+        a.setblocking(False)
+        filled = 0
+        try:
+            while True:
+                filled += a.send(b"\0" * 65536)
+        except BlockingIOError:
+            pass
+        a.setblocking(True)
+        b.sendall(_cma_frame(12, src, token=8))
+        deadline = time.monotonic() + 10
+        while len(sink.frames) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert len(sink.frames) == 2, "the reader blocked on its full socket"
+        assert len(deferred) == 1  # the pool writes the RELEASE once there is room
+        assert not ran.is_set()
+        drained = bytearray()
+        b.settimeout(10)
+        while len(drained) < filled + F.HEADER_SIZE:
+            drained += b.recv(1 << 20)
+        assert ran.wait(10)
+        assert F.HEADER.unpack(bytes(drained[filled:]))[2:5] == (F.K_RELEASE, 0, 8)
+        assert conn.frames_out == 2 and not conn.closed
+    finally:
+        conn.close()
+        b.close()
 
 
 @pytest.mark.parametrize("raw,match", [

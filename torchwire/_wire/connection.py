@@ -48,6 +48,7 @@ _LANE_PENDING_MAX = 256  # split buffers a peer may have half-sent at once
 _ANC_SPACE = socket.CMSG_SPACE(253 * 4) if hasattr(socket, "CMSG_SPACE") else 0
 _CLOEXEC = int(socket.MSG_CMSG_CLOEXEC)
 _CTRUNC = int(socket.MSG_CTRUNC)
+_DONTWAIT = int(getattr(socket, "MSG_DONTWAIT", 0))
 
 
 class _Fds:
@@ -175,6 +176,7 @@ class Connection:
         # Same-host peer that reads descriptors from the socket: large buffers then
         # travel in shared-memory segments (see shm.py).  Plain sockets only.
         plain = isinstance(sock, socket.socket)
+        self._plain = plain and bool(_DONTWAIT)
         self.shm_send = bool(shm_send and plain and shm.available())
         self.shm_recv = bool(shm_recv and plain and shm.available())
         self.channel_min = max(1, channel_min)
@@ -365,6 +367,55 @@ class Connection:
                                          token, 0, 0, 0)], (), F.HEADER_SIZE, 0)
         except ConnectionClosedError:
             pass
+
+    def _release_from_reader(self, token: int) -> None:
+        """Reader thread: send a CMA RELEASE without waking another thread.
+
+        Written at once when no other thread is writing and the socket takes the
+        32 bytes without blocking (the usual case): a reader must never block on
+        a write, or two peers whose readers both wait for buffer space would
+        deadlock.  Otherwise it joins the queue of the thread that is writing, or
+        goes to the pool as before."""
+        if not self._plain:
+            self._defer(self.send_release, token)
+            return
+        frame = F.HEADER.pack(F.MAGIC, F.VERSION, F.K_RELEASE, 0, token, 0, 0, 0)
+        with self._qlock:
+            if self.closed:
+                return
+            self.frames_out += 1
+            self.bytes_out += len(frame)
+            if self._flushing:  # the writing thread sends it with what it has
+                self._queue.append(frame)
+                return
+            self._flushing = True
+        try:
+            sent = self.sock.send(frame, _DONTWAIT)
+        except BlockingIOError:
+            sent = 0
+        except OSError as exc:
+            with self._qlock:
+                self._flushing = False
+            self.close(exc)
+            return
+        with self._qlock:
+            if sent < len(frame):
+                self._queue.insert(0, frame[sent:])
+            elif not self._queue:
+                self._flushing = False
+                return
+        # Left to write (the tail, or what others queued meanwhile): the pool
+        # finishes, still holding the writer's turn.
+        try:
+            self._defer(self._flush_or_close)
+        except RuntimeError:  # the pool is shut down: this is the last writer
+            self._flush_or_close()
+
+    def _flush_or_close(self) -> None:
+        try:
+            self._flush()
+        except ConnectionClosedError:
+            pass  # the reader reports the loss
 
     def _enqueue(self, parts, tensors, size: int, token: int) -> None:
         with self._qlock:
@@ -649,7 +700,7 @@ class Connection:
                         read_exact_into(byte_view(t, n))
                 tensors.append(t)
             if release:
-                self._defer(self.send_release, release)
+                self._release_from_reader(release)
             if kind == F.K_RELEASE:
                 if flags & F.F_SHM:
                     shm.release(self, rid, bool(flags & F.F_RETIRE))
