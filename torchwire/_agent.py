@@ -166,6 +166,7 @@ class RpcAgent:
         self._stats_lock = threading.Lock()
         self._sent = 0
         self._received = 0
+        self._replies_in_place = 0
         # per peer, for termination detection without the peers that are gone
         if world_size is None:  # only counted: a dynamic group has no termination rounds
             self._sent_to = collections.defaultdict(int)
@@ -214,6 +215,8 @@ class RpcAgent:
             "calls_sent": self._sent,
             "calls_served": self._received,
             "pending": len(self._pending),
+            # replies an I/O thread wrote itself, without a pool hop (see _reply_nowait)
+            "replies_in_place": self._replies_in_place,
             "connections": len(conns),
             "bytes_out": sum(c.bytes_out for c in conns),
             "bytes_in": sum(c.bytes_in for c in conns),
@@ -678,11 +681,18 @@ class RpcAgent:
                         "Functions decorated with @rpc.async_function must return a "
                         f"torch.futures.Future object, but {_func_name(func)} "
                         f"(@rpc.functions.async_execution) returned {type(fut).__name__}")
-                fut.add_done_callback(lambda f: self._reply_future(conn, rid, f))
+                if getattr(func, "_tw_reply_inline", False):
+                    # torchwire's own (the backward pass): no user callbacks to order
+                    # after; the completing thread replies (see _reply_future)
+                    torch._C.Future.add_done_callback(
+                        fut, lambda f: self._reply_future(conn, rid, f))
+                else:
+                    fut.add_done_callback(lambda f: self._reply_future(conn, rid, f))
                 return
             result = func(*(args or ()), **(kwargs or {}))
             if type(result) is Deferred:  # torchwire-internal functions (RRefs)
-                result.future.add_done_callback(lambda f: self._reply_future(conn, rid, f))
+                torch._C.Future.add_done_callback(
+                    result.future, lambda f: self._reply_future(conn, rid, f))
                 return
         except Exception as exc:
             tb = traceback.format_exc()
@@ -701,7 +711,10 @@ class RpcAgent:
 
     def _reply_future(self, conn, rid: int, fut) -> None:
         if _threads.in_io_thread():
-            self._pool.submit(self._reply_future, conn, rid, fut)
+            # A reader completed the future (the reply to a nested call arrived): a
+            # small plain value is sent from here without waking a pool thread.
+            if not self._reply_nowait(conn, rid, fut):
+                self._pool.submit(self._reply_future, conn, rid, fut)
             return
         try:
             value = fut.wait()
@@ -709,6 +722,30 @@ class RpcAgent:
             self._reply_error(conn, rid, exc, traceback.format_exc())
             return
         self._reply_value(conn, rid, value)
+
+    def _reply_nowait(self, conn, rid: int, fut) -> bool:
+        """I/O thread: reply with ``fut``'s value if it is small and plain (no user
+        code runs to pickle it, no tensors) and the link can write without blocking
+        (``Connection.send_nowait``); False to leave the reply to the pool."""
+        send = getattr(conn, "send_nowait", None)
+        if send is None or rid == 0:
+            return False
+        try:
+            value = fut.value()
+        except Exception:
+            return False  # errors: the pool formats them
+        if not _plain_value(value, 0):
+            return False
+        try:
+            payload, _, _ = ser.dumps_to(value, conn.peer_rank, False)
+        except SerializationError:
+            return False
+        if len(payload) > _NOWAIT_MAX or not send(
+                F.HEADER.pack(F.MAGIC, F.VERSION, F.K_RESPONSE, 0, rid, len(payload), 0, 0)
+                + payload):
+            return False
+        self._replies_in_place += 1  # I/O threads only: racy by a count at worst
+        return True
 
     def _reply_value(self, conn, rid: int, value) -> None:
         if rid == 0:
@@ -1036,6 +1073,20 @@ class RpcAgent:
             except Exception:
                 log.exception("torchwire: closing %r failed", p)
         self._pool.shutdown(5.0)
+
+
+_PLAIN_TYPES = frozenset((type(None), bool, int, float, str, bytes))
+_NOWAIT_MAX = 16 << 10  # bytes of reply payload an I/O thread may write itself
+
+
+def _plain_value(value, depth: int) -> bool:
+    """None, numbers, strings and bytes, and small tuples and lists of them."""
+    t = type(value)
+    if t in _PLAIN_TYPES:
+        return True
+    if (t is tuple or t is list) and depth < 2 and len(value) <= 16:
+        return all(_plain_value(v, depth + 1) for v in value)
+    return False
 
 
 def _balanced(records: dict[int, str], world: int) -> bool | None:

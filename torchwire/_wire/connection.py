@@ -369,25 +369,34 @@ class Connection:
             pass
 
     def _release_from_reader(self, token: int) -> None:
-        """Reader thread: send a CMA RELEASE without waking another thread.
-
-        Written at once when no other thread is writing and the socket takes the
-        32 bytes without blocking (the usual case): a reader must never block on
-        a write, or two peers whose readers both wait for buffer space would
-        deadlock.  Otherwise it joins the queue of the thread that is writing, or
-        goes to the pool as before."""
-        if not self._plain:
-            self._defer(self.send_release, token)
-            return
+        """Reader thread: send a CMA RELEASE without waking another thread (see
+        :meth:`send_nowait`)."""
         frame = F.HEADER.pack(F.MAGIC, F.VERSION, F.K_RELEASE, 0, token, 0, 0, 0)
+        if not self.send_nowait(frame):
+            self._defer(self.send_release, token)
+
+    def send_nowait(self, frame: bytes) -> bool:
+        """Send one small encoded frame from a thread that must never block on a write
+        (a reader: two peers whose readers both waited for buffer space would
+        deadlock), without waking another thread in the usual case.
+
+        Written at once when no other thread is writing and the socket takes it
+        without blocking; else it joins the queue of the thread that is writing;
+        a tail the socket did not take goes to the pool, which finishes the write.
+        False (nothing done) on a link that cannot do this (TLS): the caller then
+        hands the frame to the pool itself.  A closed connection drops the frame
+        quietly (its reader reports the loss).
+        """
+        if not self._plain:
+            return False
         with self._qlock:
             if self.closed:
-                return
+                return True
             self.frames_out += 1
             self.bytes_out += len(frame)
             if self._flushing:  # the writing thread sends it with what it has
                 self._queue.append(frame)
-                return
+                return True
             self._flushing = True
         try:
             sent = self.sock.send(frame, _DONTWAIT)
@@ -397,19 +406,20 @@ class Connection:
             with self._qlock:
                 self._flushing = False
             self.close(exc)
-            return
+            return True
         with self._qlock:
             if sent < len(frame):
                 self._queue.insert(0, frame[sent:])
             elif not self._queue:
                 self._flushing = False
-                return
+                return True
         # Left to write (the tail, or what others queued meanwhile): the pool
         # finishes, still holding the writer's turn.
         try:
             self._defer(self._flush_or_close)
         except RuntimeError:  # the pool is shut down: this is the last writer
             self._flush_or_close()
+        return True
 
     def _flush_or_close(self) -> None:
         try:

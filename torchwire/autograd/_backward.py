@@ -278,6 +278,7 @@ def _backward_remote(context_id: int, items) -> Future:
 
 
 _backward_remote._wrapped_async_rpc_function = _backward_remote  # type: ignore[attr-defined]
+_backward_remote._tw_reply_inline = True  # type: ignore[attr-defined]
 
 
 def _check_roots(roots) -> list[torch.Tensor]:
