@@ -198,6 +198,7 @@ class Connection:
         self.bytes_in = 0
         self.bytes_out = 0
         self._spawn = spawn
+        self._fast_runs = 0  # consecutive quick inline runs (see _Watchdog)
         # A TLS link encrypts part by part; a plain socket takes them all in one sendmsg.
         self._sendall = getattr(sock, "sendall_parts", None) or partial(_sendall, sock)
         self._reader_done = threading.Event()
@@ -744,7 +745,8 @@ class Connection:
         reading was handed off meanwhile (this thread must then stop reading; the
         requests not started by then went to the pool)."""
         run = _InlineRun(self, requests)
-        _watchdog.begin(run)
+        t0 = run.started
+        _watchdog.begin(run, self._fast_runs >= _TRUST_AFTER)
         _threads.set_io(False)
         _threads.set_inline_run(run)
         try:
@@ -761,7 +763,12 @@ class Connection:
         finally:
             _threads.set_inline_run(None)
             _threads.set_io(True)
-        return _watchdog.end(run)
+        handed = _watchdog.end(run)
+        if handed or time.monotonic() - t0 >= _FAST_S:
+            self._fast_runs = 0
+        else:
+            self._fast_runs += 1
+        return handed
 
     # ------------------------------------------------------------------ closing
 
@@ -798,6 +805,12 @@ class Connection:
 
 _HANDED_OFF = object()  # _read_frames: another thread reads this connection now
 INLINE_MAX_S = 0.002  # a request running in place longer than this hands the reading off
+# A connection whose last _TRUST_AFTER inline runs each took under _FAST_S runs the
+# next ones without waking the watchdog (see _Watchdog); one slower run ends that.
+_FAST_S = INLINE_MAX_S / 4
+_TRUST_AFTER = 16
+_IDLE_POLL_S = 0.05  # the watchdog's poll between runs (bounds a trusted run's stall)
+_DEEP_AFTER_S = 1.0  # without any run this long, the watchdog sleeps until the next
 
 
 class _InlineRun:
@@ -842,28 +855,35 @@ class _InlineRun:
 class _Watchdog:
     """Hands the reading off for inline runs that take longer than ``INLINE_MAX_S``.
 
-    One thread per process, sleeping on a condition while no request runs in
-    place and polling every ``INLINE_MAX_S / 2`` while some do: a stream of short
-    requests wakes it at most once per poll period, not once per request.
+    One thread per process, polling every ``INLINE_MAX_S / 2`` while some request
+    runs in place.  Waking it costs a thread switch and a GIL hand-over on the
+    critical path of the call, so most runs do not: a connection whose recent runs
+    all finished quickly is *trusted* (see ``Connection._run_inline``), and its runs
+    only register.  Between runs the thread polls every ``_IDLE_POLL_S``, so a
+    trusted run that blocks after all is still handed off, at most that much later;
+    after ``_DEEP_AFTER_S`` without a run it sleeps until the next one begins.
     """
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.cond = threading.Condition(self.lock)
         self.runs: set = set()
-        self.idle = False
+        self.idle = False  # between runs, polling slowly: wake it for untrusted runs
+        self.deep = False  # asleep until a run begins: wake it for every run
         self.pid = -1
         self.started = 0  # inline runs begun
+        self.woken = 0  # of which woke the thread
         self.handed = 0  # of which handed their reading off
 
-    def begin(self, run: _InlineRun) -> None:
+    def begin(self, run: _InlineRun, trusted: bool) -> None:
         if self.pid != _pid[0]:
             self._start()
         with self.lock:
             self.started += 1
             self.runs.add(run)
-            if self.idle:
-                self.idle = False
+            if self.deep or (self.idle and not trusted):
+                self.idle = self.deep = False
+                self.woken += 1
                 self.cond.notify()
 
     def end(self, run: _InlineRun) -> bool:
@@ -879,7 +899,7 @@ class _Watchdog:
             self.lock = threading.Lock()  # after a fork: the parent's may be held
             self.cond = threading.Condition(self.lock)
             self.runs = set()
-            self.idle = False
+            self.idle = self.deep = False
             threading.Thread(target=self._run, daemon=True, name="torchwire-watchdog").start()
             self.pid = _pid[0]
 
@@ -888,10 +908,19 @@ class _Watchdog:
         period = INLINE_MAX_S / 2
         while True:
             with self.lock:
+                quiet_since = None
                 while not self.runs:
-                    self.idle = True
-                    self.cond.wait()
-                    self.idle = False
+                    now = time.monotonic()
+                    if quiet_since is None:
+                        quiet_since = now
+                    if now - quiet_since >= _DEEP_AFTER_S:
+                        self.deep = True
+                        self.cond.wait()
+                        quiet_since = None
+                    else:
+                        self.idle = True
+                        self.cond.wait(_IDLE_POLL_S)
+                    self.idle = self.deep = False
             time.sleep(period)
             now = time.monotonic()
             with self.lock:
@@ -906,8 +935,10 @@ _watchdog = _Watchdog()
 
 
 def inline_stats() -> dict:
-    """Requests run in place by a reader, and how many of them handed the reading off."""
-    return {"runs": _watchdog.started, "handed_off": _watchdog.handed}
+    """Inline runs (requests run in place by a reader), how many of them woke the
+    watchdog, and how many handed the reading off."""
+    return {"runs": _watchdog.started, "woke_watchdog": _watchdog.woken,
+            "handed_off": _watchdog.handed}
 
 
 _start_lock = threading.Lock()
