@@ -515,6 +515,7 @@ def body_reader_runs_requests_in_place():
     before = rpc.rpc_sync("worker1", inline_stats)
     for _ in range(200):
         rpc.rpc_sync("worker1", add, args=(1, 1))
+        time.sleep(0.002)  # pacing: each call then finds the watchdog between runs
     quick = rpc.rpc_sync("worker1", inline_stats)
     waiting = rpc.rpc_async("worker1", wait_for_gate, args=("g1",))
     time.sleep(0.2)  # let it start (in place: it is alone on the connection)
@@ -532,7 +533,7 @@ def test_a_reader_runs_a_lone_request_in_place_and_never_starves_the_next(world)
     # (a thread switch and a GIL hand-over per call): the blocked request below is
     # then caught by its slow poll, and still handed off.
     woke = quick["woke_watchdog"] - before["woke_watchdog"]
-    assert woke <= 20, (before, quick)  # 16 runs to earn trust; ~30 without it here
+    assert woke <= runs // 2, (before, quick)  # 16 runs to earn trust; ~all without it
     assert opened and gate_seen, "a request blocked in place kept the next one from running"
     assert after["handed_off"] > quick["handed_off"], (quick, after)
 

@@ -110,10 +110,19 @@ def tensor_nbytes(t: torch.Tensor) -> int:
 # --------------------------------------------------------------------------- pickling
 
 
+def _typed(index: int, dtype: torch.dtype) -> torch.Tensor:
+    """Entry ``index`` of the received tensor table as a 1-D tensor of ``dtype`` (one
+    torch call).  A reader hands small buffers on as bytearrays (see
+    ``connection._SMALL_BUFFER``), others as ``uint8`` tensors."""
+    raw = _tls.tensors[index]
+    if type(raw) is bytearray:
+        return torch.frombuffer(raw, dtype=dtype)
+    return raw.view(dtype) if dtype is not torch.uint8 else raw
+
+
 def _rebuild_tensor(index: int, dtype: torch.dtype, shape: tuple, requires_grad: bool,
                     cls: type | None):
-    raw: torch.Tensor = _tls.tensors[index]
-    t = raw.view(dtype) if dtype is not torch.uint8 else raw
+    t = _typed(index, dtype)
     t = t.view(shape)
     return _finish_tensor(t, requires_grad, cls)
 
@@ -124,8 +133,7 @@ _MAX_SPAN_RATIO = 4
 def _rebuild_plain(index: int, dtype: torch.dtype, shape: tuple):
     """Rebuild for the fast path of ``_reduce_tensor``: one or two torch calls (each
     costs microseconds with cold caches, as between messages)."""
-    raw: torch.Tensor = _tls.tensors[index]
-    t = raw.view(dtype) if dtype is not torch.uint8 else raw
+    t = _typed(index, dtype)
     if len(shape) != 1:  # a 1-D tensor already has its shape: raw is 1-D
         t = t.view(shape)
     hook = getattr(_tls, "recv_hook", None)
@@ -147,16 +155,13 @@ def _span(t: torch.Tensor) -> int | None:
 
 def _rebuild_strided(index: int, dtype: torch.dtype, shape: tuple, stride: tuple,
                      requires_grad: bool, cls: type | None):
-    raw: torch.Tensor = _tls.tensors[index]
-    t = raw.view(dtype) if dtype is not torch.uint8 else raw
-    t = t.as_strided(shape, stride)
+    t = _typed(index, dtype).as_strided(shape, stride)
     return _finish_tensor(t, requires_grad, cls)
 
 
 def _rebuild_on_device(index: int, dtype: torch.dtype, shape: tuple, requires_grad: bool,
                        device: str):
-    raw: torch.Tensor = _tls.tensors[index]
-    t = (raw.view(dtype) if dtype is not torch.uint8 else raw).view(shape)
+    t = _typed(index, dtype).view(shape)
     return _finish_tensor(t.to(device), requires_grad, None)
 
 

@@ -49,6 +49,9 @@ _ANC_SPACE = socket.CMSG_SPACE(253 * 4) if hasattr(socket, "CMSG_SPACE") else 0
 _CLOEXEC = int(socket.MSG_CMSG_CLOEXEC)
 _CTRUNC = int(socket.MSG_CTRUNC)
 _DONTWAIT = int(getattr(socket, "MSG_DONTWAIT", 0))
+# Buffers up to this size that arrive whole in the read buffer are handed on as
+# bytearrays (typed by torch.frombuffer when unpickled), not torch tensors.
+_SMALL_BUFFER = 64 << 10
 
 
 class _Fds:
@@ -705,6 +708,11 @@ class Connection:
                     except OSError as exc:
                         raise ProtocolError(f"cannot read a buffer from rank "
                                             f"{self.peer_rank}'s memory: {exc}") from exc
+                elif 0 < n <= _SMALL_BUFFER and end - start >= n:
+                    # already read: a bytearray copy costs no torch call (each costs
+                    # microseconds with cold caches); the unpickler types it
+                    t = bytearray(mv[start:start + n])
+                    start += n
                 else:
                     t = receive_buffer(n)
                     if n:
@@ -807,7 +815,7 @@ _HANDED_OFF = object()  # _read_frames: another thread reads this connection now
 INLINE_MAX_S = 0.002  # a request running in place longer than this hands the reading off
 # A connection whose last _TRUST_AFTER inline runs each took under _FAST_S runs the
 # next ones without waking the watchdog (see _Watchdog); one slower run ends that.
-_FAST_S = INLINE_MAX_S / 4
+_FAST_S = INLINE_MAX_S / 2
 _TRUST_AFTER = 16
 _IDLE_POLL_S = 0.05  # the watchdog's poll between runs (bounds a trusted run's stall)
 _DEEP_AFTER_S = 1.0  # without any run this long, the watchdog sleeps until the next
