@@ -25,14 +25,55 @@ def _fds() -> int:
     return len(os.listdir("/proc/self/fd"))
 
 
+def _sockets() -> dict:
+    """Socket inode -> its addresses, from /proc/net (for failure messages)."""
+    out = {}
+    for proto in ("tcp", "tcp6"):
+        try:
+            with open(f"/proc/net/{proto}") as f:
+                for line in list(f)[1:]:
+                    cols = line.split()
+                    out[cols[9]] = f"{proto} {cols[1]}->{cols[2]} st={cols[3]}"
+        except OSError:
+            pass
+    try:
+        with open("/proc/net/unix") as f:
+            for line in list(f)[1:]:
+                cols = line.split()
+                out[cols[6]] = f"unix st={cols[5]} {cols[7] if len(cols) > 7 else '(unnamed)'}"
+    except OSError:
+        pass
+    return out
+
+
+def _peer_of(inode: str) -> str:
+    """The other end of a Unix socket and its owner, from ``ss`` if there is one."""
+    import subprocess
+    try:
+        out = subprocess.run(["ss", "-xpn"], capture_output=True, text=True, timeout=5).stdout
+    except (OSError, subprocess.SubprocessError):
+        return ""
+    rows = {cols[5]: cols for cols in map(str.split, out.splitlines()) if len(cols) > 7}
+    mine = rows.get(inode)
+    if mine is None:
+        return ""
+    peer = rows.get(mine[7], [])
+    return f" (pid {os.getpid()}) peer {mine[7]} {' '.join(peer[8:]) or '?'}"
+
+
 def _fd_targets() -> list:
     """What the open descriptors point at, for a failure message to name."""
     out = []
+    socks = None
     for fd in os.listdir("/proc/self/fd"):
         try:
-            out.append(f"{fd}:{os.readlink(f'/proc/self/fd/{fd}')}")
+            target = os.readlink(f"/proc/self/fd/{fd}")
         except OSError:
-            pass
+            continue
+        if target.startswith("socket:["):
+            socks = _sockets() if socks is None else socks
+            target += " " + socks.get(target[8:-1], "?") + _peer_of(target[8:-1])
+        out.append(f"{fd}:{target}")
     return sorted(out)
 
 
@@ -55,6 +96,11 @@ def _segment_maps() -> int:
 
 
 _measuring = threading.Lock()
+_warmed = threading.Event()
+
+
+def _wait_warmed() -> bool:
+    return _warmed.wait(60)
 
 
 def _state():
@@ -75,7 +121,8 @@ def _state():
             n = _fds()
             if n < fds:
                 fds, targets = n, _fd_targets()
-        return fds, _rss(), _shm(), _segment_maps(), cached, targets
+        return fds, _rss(), _shm(), _segment_maps(), cached, targets + [
+            f"pid {os.getpid()} rpc.stats connections {rpc.stats()['connections']}"]
 
 
 @pytest.mark.parametrize("channel", sorted(CHANNELS))
@@ -86,6 +133,11 @@ def test_ten_thousand_transfers_leave_no_fd_segment_or_memory_behind(channel):
         tensors = [torch.randint(0, 255, (n,), dtype=torch.uint8) for n in sizes]
         for t in tensors:  # warm up: connections, buffer pool
             assert torch.equal(rpc.rpc_sync(peer, echo, args=(t,)), t)
+        # Both warmed up before either measures: on a loaded machine one worker can
+        # finish its warm-up before the other has opened its connection, and would
+        # count that connection as grown.
+        _warmed.set()
+        assert rpc.rpc_sync(peer, _wait_warmed)
         before = rpc.rpc_sync(peer, _state), _state()
         for i in range(5000):  # 5000 each way at once: 10 000 transfers per worker pair
             t = tensors[i % len(tensors)]
