@@ -291,6 +291,36 @@ def test_nested_backward_replies_are_written_by_the_reader(world):
     assert 3 <= in_place <= 10, f"{in_place} of 10 nested replies written in place"
 
 
+class Traced(torch.Tensor):
+    """A tensor subclass that records the torch functions called on it."""
+
+    calls: list = []
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        cls.calls.append(getattr(func, "__name__", str(func)))
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+def body_subclass_root():
+    """A root that overrides torch functions still gets torch's public backward (its
+    override sees it); plain tensors go straight to the engine."""
+    x = torch.rand(3, requires_grad=True)
+    Traced.calls = []
+    with dist_autograd.context() as cid:
+        y = rpc.rpc_sync("worker1", mul, args=(x, 2.0))
+        loss = (y.as_subclass(Traced) * 3).sum()
+        dist_autograd.backward(cid, [loss])
+        got = dist_autograd.get_gradients(cid)[x]
+    return got, "backward" in Traced.calls
+
+
+def test_a_tensor_subclass_root_takes_torchs_backward(world):
+    got, overridden = world.run(0, body_subclass_root)
+    assert torch.equal(got, torch.full((3,), 6.0))
+    assert overridden
+
+
 def test_fan_out(world):
     world.run(0, body_fan_out)
 
