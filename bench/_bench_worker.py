@@ -289,3 +289,57 @@ def child_main(lib, rank, port, cfg, q):
         q.join_thread()
     except Exception:
         pass
+
+
+INTERLEAVED = ("sync_noop", "sync_tensor16", "remote_to_here", "rref_proxy")
+
+
+def interleaved_main(lib, rank, port, cfg, cmd_q, res_q):
+    """A process of the interleaved latency phase (see ``bench.run_interleaved``).
+
+    worker0 answers ``("block", metric, n, warmup)`` commands with the sorted
+    per-call microseconds of ``n`` calls, until ``("stop",)``; worker1 serves.
+    The parent stops (SIGSTOP) this pair while the other library's pair runs.
+    """
+    bench_dir = os.path.dirname(os.path.abspath(__file__))
+    for p in (bench_dir, os.path.dirname(bench_dir)):
+        if p not in sys.path:
+            sys.path.insert(0, p)
+    try:
+        import torch
+
+        rpc = _import_lib(lib, cfg)
+        opts = rpc.TensorPipeRpcBackendOptions(init_method=f"tcp://127.0.0.1:{port}",
+                                               num_worker_threads=16,
+                                               rpc_timeout=cfg["rpc_timeout"])
+        rpc.init_rpc(f"worker{rank}", rank=rank, world_size=2, rpc_backend_options=opts)
+        if rank == 0:
+            from _bench_funcs import Box, echo, noop, one
+            t16 = torch.randn(16)
+            box = rpc.remote("worker1", Box, args=(7,))
+            calls = {
+                "sync_noop": lambda: rpc.rpc_sync("worker1", noop),
+                "sync_tensor16": lambda: rpc.rpc_sync("worker1", echo, args=(t16,)),
+                "remote_to_here": lambda: rpc.remote("worker1", one).to_here(),
+                "rref_proxy": box.rpc_sync().get,
+            }
+            if not (torch.equal(calls["sync_tensor16"](), t16) and calls["rref_proxy"]() == 7
+                    and calls["remote_to_here"]() == 1):
+                raise AssertionError("an interleaved latency call returned a wrong value")
+            res_q.put(("ready", lib))
+            while True:
+                cmd = cmd_q.get()
+                if cmd[0] == "stop":
+                    break
+                _, metric, n, warmup = cmd
+                res_q.put(("samples", lib, metric, _latency(calls[metric], n, warmup)))
+        rpc.shutdown()
+    except BaseException as exc:
+        res_q.put(("error", lib, f"worker{rank}: {type(exc).__name__}: {exc}\n"
+                   f"{traceback.format_exc(limit=8)}"))
+        try:
+            res_q.close()
+            res_q.join_thread()
+        except Exception:
+            pass
+        os._exit(1)

@@ -21,6 +21,7 @@ import multiprocessing as mp
 import os
 import platform
 import queue as _queue
+import signal
 import socket
 import statistics
 import subprocess
@@ -56,6 +57,9 @@ def make_cfg(quick: bool) -> dict:
             "echo_iters": {"1KiB": 100, "1MiB": 20, "16MiB": 5, "64MiB": 3, "256MiB": 2,
                            "1GiB": 1},
             "rpc_timeout": 120,
+            "il_blocks": 2,
+            "il_block": 150,
+            "il_warmup": 20,
         }
     return {
         "sync_n": 2000,
@@ -69,11 +73,17 @@ def make_cfg(quick: bool) -> dict:
         "echo_iters": {"1KiB": 1000, "1MiB": 200, "16MiB": 40, "64MiB": 12, "256MiB": 3,
                        "1GiB": 2},
         "rpc_timeout": 120,
+        "il_blocks": 10,
+        "il_block": 200,
+        "il_warmup": 20,
     }
 
 
 # metric key -> (label, unit, higher_is_better, target) ; target = (op, factor) or None
 def metric_specs():
+    # The interleaved rows carry no target until it is shown that stopping the idle
+    # pair (SIGSTOP) does not slow either library's next block (see run_interleaved).
+    il = " (interleaved blocks)"
     specs = [
         ("sync_noop_median_us", "rpc_sync no-op latency, median", "µs", False, ("<=", 0.5)),
         ("sync_noop_p99_us", "rpc_sync no-op latency, p99", "µs", False, None),
@@ -82,6 +92,14 @@ def metric_specs():
          ("<=", 0.5)),
         ("rref_proxy_median_us", "RRef proxy call rref.rpc_sync().get(), median", "µs", False,
          ("<=", 0.5)),
+        ("il_sync_noop_median_us", "rpc_sync no-op latency, median" + il, "µs", False, None),
+        ("il_sync_noop_p99_us", "rpc_sync no-op latency, p99" + il, "µs", False, None),
+        ("il_sync_tensor16_median_us", "rpc_sync echo 16-float tensor, median" + il, "µs",
+         False, None),
+        ("il_remote_to_here_median_us", "remote() + to_here() latency, median" + il, "µs",
+         False, None),
+        ("il_rref_proxy_median_us", "RRef proxy call rref.rpc_sync().get(), median" + il,
+         "µs", False, None),
         ("mp_step_median_ms", "model-parallel training step (remote embedding, local layer, "
          "remote decoder, backward, optimizer), median", "ms", False, ("<=", 0.5)),
         ("async_noop_calls_per_s", "rpc_async no-op throughput (10 000 in flight)", "calls/s",
@@ -255,6 +273,89 @@ def run_round(ctx, lib: str, cfg: dict, stall_timeout: float, round_timeout: flo
     return res
 
 
+def run_interleaved(ctx, libs: list, cfg: dict, log) -> dict:
+    """Latency metrics measured in short blocks that alternate between the libraries.
+
+    This machine's speed drifts several-fold within minutes, which whole-round
+    alternation cannot absorb.  Here one pair of processes per library stays up for
+    the whole phase; the pair not measuring is stopped (SIGSTOP: an idle torch pair
+    spins a core per process in TensorPipe's reactor), so each block runs alone,
+    and the blocks of both libraries interleave within seconds.  Returns
+    ``{lib: {metric key: value}}`` plus ``{lib: {"errors": [...]}}`` on failure.
+    """
+    res_q = ctx.Queue()
+    pairs, cmds = {}, {}
+    out = {lib: {"errors": []} for lib in libs}
+
+    def signal_pair(lib, sig):
+        if os.environ.get("BENCH_NO_STOP"):  # to check that stopping biases nothing
+            return
+        for p in pairs.get(lib, []):
+            if p.is_alive():
+                try:
+                    os.kill(p.pid, sig)
+                except OSError:
+                    pass
+
+    def get(lib, timeout=120.0):
+        while True:
+            msg = res_q.get(timeout=timeout)
+            if msg[0] == "error":
+                raise RuntimeError(f"{LIB_TITLES[msg[1]]}: {msg[2]}")
+            if msg[1] == lib:
+                return msg
+
+    try:
+        for lib in libs:  # one at a time: each initializes alone, then waits stopped
+            cmds[lib] = ctx.Queue()
+            port = free_port()
+            pairs[lib] = [ctx.Process(target=_bench_worker.interleaved_main,
+                                      args=(lib, rank, port, cfg, cmds[lib], res_q),
+                                      name=f"bench-il-{lib}-worker{rank}", daemon=True)
+                          for rank in (0, 1)]
+            for p in pairs[lib]:
+                p.start()
+            get(lib)  # ready
+            signal_pair(lib, signal.SIGSTOP)
+        samples = {lib: {m: [] for m in _bench_worker.INTERLEAVED} for lib in libs}
+        n, warm = cfg["il_block"], cfg["il_warmup"]
+        for block in range(cfg["il_blocks"]):
+            order = libs if block % 2 == 0 else libs[::-1]
+            for metric in _bench_worker.INTERLEAVED:
+                for lib in order:
+                    signal_pair(lib, signal.SIGCONT)
+                    cmds[lib].put(("block", metric, n, warm))
+                    samples[lib][metric].extend(get(lib)[3])
+                    signal_pair(lib, signal.SIGSTOP)
+            log(f"    interleaved block {block + 1}/{cfg['il_blocks']} done")
+        for lib in libs:
+            s = samples[lib]
+            noop = sorted(s["sync_noop"])
+            out[lib].update({
+                "il_sync_noop_median_us": statistics.median(noop),
+                "il_sync_noop_p99_us": noop[min(len(noop) - 1, int(0.99 * len(noop)))],
+                "il_sync_tensor16_median_us": statistics.median(s["sync_tensor16"]),
+                "il_remote_to_here_median_us": statistics.median(s["remote_to_here"]),
+                "il_rref_proxy_median_us": statistics.median(s["rref_proxy"]),
+            })
+    except Exception as exc:  # a failure or a hang (queue timeout): report, go on
+        for lib in libs:
+            out[lib]["errors"].append(f"interleaved phase: {type(exc).__name__}: {exc}")
+        log(f"    interleaved phase failed: {exc}")
+    finally:
+        for lib in libs:
+            signal_pair(lib, signal.SIGCONT)
+            if lib in cmds:
+                cmds[lib].put(("stop",))
+        deadline = time.monotonic() + 60
+        for procs in pairs.values():
+            started = [p for p in procs if p.pid is not None]
+            for p in started:
+                p.join(max(0.1, deadline - time.monotonic()))
+            _kill(started)
+    return out
+
+
 # ---------------------------------------------------------------------------
 # reporting
 
@@ -320,20 +421,25 @@ def fmt_value(v: float, unit: str) -> str:
     return f"{v:.4g} {unit}"
 
 
-def summarize(results: dict, libs: list, rounds: int) -> dict:
-    """results[lib] = list of round dicts -> per lib per metric summary."""
+def summarize(results: dict, libs: list, rounds: int, interleaved: dict | None = None) -> dict:
+    """results[lib] = list of round dicts -> per lib per metric summary; the
+    ``il_`` metrics come from ``interleaved`` (one value each, over all blocks)."""
     out = {}
     for lib in libs:
         rs = results.get(lib, [])
+        il = (interleaved or {}).get(lib, {})
         per_metric = {}
         for key, *_ in metric_specs():
-            vals = [r["metrics"][key] for r in rs if key in r["metrics"]]
+            if key.startswith("il_"):
+                vals = [il[key]] if key in il else []
+            else:
+                vals = [r["metrics"][key] for r in rs if key in r["metrics"]]
             per_metric[key] = {
                 "median": statistics.median(vals) if vals else None,
                 "values": vals,
                 "n": len(vals),
             }
-        errors = []
+        errors = list(il.get("errors", []))
         for i, r in enumerate(rs):
             for e in r["errors"]:
                 errors.append(f"round {i + 1}: {e}")
@@ -375,7 +481,8 @@ def build_table(summary: dict, libs: list, rounds: int) -> str:
             else:
                 vals[lib] = m["median"]
                 cell = fmt_value(m["median"], unit)
-                if m["n"] < summary[lib]["rounds_run"] or m["n"] < rounds:
+                if not key.startswith("il_") and (m["n"] < summary[lib]["rounds_run"]
+                                                  or m["n"] < rounds):
                     cell += f" ({m['n']}/{rounds} rounds)"
                 row.append(cell)
         if have_both:
@@ -448,8 +555,18 @@ def build_report(summary, libs, rounds, cfg, args, machine, started, elapsed) ->
         "Every figure below is the **median over rounds** (per-round values further down).",
         "- Remote functions are module-level functions of `bench/_bench_funcs.py` "
         "(pickled by reference).",
-        f"- rpc_sync latency: {cfg['sync_warmup']} warm-up calls, then {cfg['sync_n']} timed "
-        "calls, each timed individually with `perf_counter_ns`; median and p99 of the calls.",
+        f"- rpc_sync latency: {cfg['sync_warmup']} warm-up calls, then {cfg['sync_n']} "
+        "timed calls, each timed individually with `perf_counter_ns`; median and p99 of the calls.",
+        "- Latency (interleaved blocks; informational, no targets until the method is "
+        "validated): before the "
+        "rounds, one pair of processes per library is started and kept; "
+        f"{cfg['il_blocks']} blocks per metric, each {cfg['il_warmup']} warm-up + "
+        f"{cfg['il_block']} timed calls, alternating between the libraries (the first library "
+        "alternates too), so both sample the machine within seconds of each other: its speed "
+        "drifts several-fold over minutes, which whole rounds cannot absorb. The pair not "
+        "measuring is stopped with SIGSTOP (an idle torch.distributed.rpc pair spins a core "
+        "per process in TensorPipe's reactor) and continued with SIGCONT for its blocks. "
+        "Median and p99 over all timed calls of a library.",
         f"- rpc_async throughput: {cfg['async_n']:,} `rpc_async(noop)` calls issued back to back, "
         f"then `torch.futures.wait_all`; calls / elapsed time, median of {cfg['async_reps']} "
         "repetition(s) per round.",
@@ -541,6 +658,9 @@ def main(argv=None):
     # Let a worker that finds the other one gone fail fast instead of waiting.
     ctx = mp.get_context("spawn")
     results = {lib: [] for lib in args.libs}
+    log(f"[{time.monotonic() - t0:6.1f}s] interleaved latency blocks: "
+        f"{', '.join(LIB_TITLES[lib] for lib in args.libs)}")
+    interleaved = run_interleaved(ctx, args.libs, cfg, log)
     given_up = {}
     for rnd in range(args.rounds):
         for lib in args.libs:
@@ -565,7 +685,7 @@ def main(argv=None):
                 # A hang costs minutes; don't repeat it for the remaining rounds.
                 given_up[lib] = r["errors"][0]
     elapsed = time.monotonic() - t0
-    summary = summarize(results, args.libs, args.rounds)
+    summary = summarize(results, args.libs, args.rounds, interleaved)
     machine = machine_info()
     report = build_report(summary, args.libs, args.rounds, cfg, argv, machine, started, elapsed)
     print(report)
@@ -575,8 +695,8 @@ def main(argv=None):
         log(f"wrote {args.out}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"cfg": cfg, "machine": machine, "results": results}, f, indent=1,
-                      default=str)
+            json.dump({"cfg": cfg, "machine": machine, "results": results,
+                       "interleaved": interleaved}, f, indent=1, default=str)
     return 0
 
 
