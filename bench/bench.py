@@ -283,7 +283,9 @@ def run_interleaved(ctx, libs: list, cfg: dict, log) -> dict:
     and the blocks of both libraries interleave within seconds.  Returns
     ``{lib: {metric key: value}}`` plus ``{lib: {"errors": [...]}}`` on failure.
     """
-    res_q = ctx.Queue()
+    # One result queue per library: a pair stopped right after its message arrived may
+    # still hold a queue's writer lock, which would block a pair sharing the queue.
+    res_qs = {}
     pairs, cmds = {}, {}
     out = {lib: {"errors": []} for lib in libs}
 
@@ -298,19 +300,20 @@ def run_interleaved(ctx, libs: list, cfg: dict, log) -> dict:
                     pass
 
     def get(lib, timeout=120.0):
-        while True:
-            msg = res_q.get(timeout=timeout)
-            if msg[0] == "error":
-                raise RuntimeError(f"{LIB_TITLES[msg[1]]}: {msg[2]}")
-            if msg[1] == lib:
-                return msg
+        try:
+            msg = res_qs[lib].get(timeout=timeout)
+        except _queue.Empty:
+            raise RuntimeError(f"{LIB_TITLES[lib]}: no answer within {timeout:.0f} s") from None
+        if msg[0] == "error":
+            raise RuntimeError(f"{LIB_TITLES[msg[1]]}: {msg[2]}")
+        return msg
 
     try:
         for lib in libs:  # one at a time: each initializes alone, then waits stopped
-            cmds[lib] = ctx.Queue()
+            cmds[lib], res_qs[lib] = ctx.Queue(), ctx.Queue()
             port = free_port()
             pairs[lib] = [ctx.Process(target=_bench_worker.interleaved_main,
-                                      args=(lib, rank, port, cfg, cmds[lib], res_q),
+                                      args=(lib, rank, port, cfg, cmds[lib], res_qs[lib]),
                                       name=f"bench-il-{lib}-worker{rank}", daemon=True)
                           for rank in (0, 1)]
             for p in pairs[lib]:
