@@ -101,6 +101,8 @@ def test_large_transfers_both_directions(channel):
 def test_receive_buffers_are_recycled(numel, opts):
     def body(rank, world_size):
         if rank == 0:
+            # Counted from here: a forked worker inherits the test process's counters.
+            before = pool_stats(), rpc.rpc_sync("worker1", pool_stats)
             x = torch.randn(numel)
             for _ in range(6):
                 y = rpc.rpc_sync("worker1", echo, args=(x,))
@@ -109,8 +111,10 @@ def test_receive_buffers_are_recycled(numel, opts):
             # The reader may still be returning from completing the last call (its
             # locals hold the value for a moment); once it has completed one more
             # call, it certainly has.
-            theirs = rpc.rpc_sync("worker1", pool_stats)
-            return pool_stats(), theirs
+            theirs = rpc.rpc_sync("worker1", pool_stats)  # first: see above
+            after = pool_stats(), theirs
+            return [dict(a, hits=a["hits"] - b["hits"], misses=a["misses"] - b["misses"])
+                    for a, b in zip(after, before)]
         return None
 
     # The pool serves the CMA and socket channels (shared memory maps the sender's pages).

@@ -367,16 +367,14 @@ class Connection:
         a process we forked may still map it, so it must not be written again)."""
         flags = (F.F_SHM | (F.F_RETIRE if retire else 0)) if shm else 0
         try:
-            self._enqueue([F.HEADER.pack(F.MAGIC, F.VERSION, F.K_RELEASE, flags,
-                                         token, 0, 0, 0)], (), F.HEADER_SIZE, 0)
+            self._enqueue([_release_frame(token, flags)], (), F.HEADER_SIZE, 0)
         except ConnectionClosedError:
             pass
 
     def _release_from_reader(self, token: int) -> None:
         """Reader thread: send a CMA RELEASE without waking another thread (see
         :meth:`send_nowait`)."""
-        frame = F.HEADER.pack(F.MAGIC, F.VERSION, F.K_RELEASE, 0, token, 0, 0, 0)
-        if not self.send_nowait(frame):
+        if not self.send_nowait(_release_frame(token, 0)):
             self._defer(self.send_release, token)
 
     def send_nowait(self, frame: bytes) -> bool:
@@ -935,6 +933,10 @@ class _Watchdog:
                 late = [r for r in self.runs if now - r.started >= INLINE_MAX_S]
             for run in late:
                 run.hand_off()
+
+
+def _release_frame(token: int, flags: int) -> bytes:
+    return F.HEADER.pack(F.MAGIC, F.VERSION, F.K_RELEASE, flags, token, 0, 0, 0)
 
 
 _pid = [os.getpid()]  # this process's pid (os.getpid() is a system call)
