@@ -30,6 +30,7 @@ entries in the context (a later pass from one of them may cross the same nodes).
 from __future__ import annotations
 
 import ctypes
+import os
 import threading
 import traceback
 
@@ -100,6 +101,29 @@ def _find_omp():
 
 
 _omp = _find_omp() if "OpenMP" in torch.__config__.parallel_info() else None
+
+
+def _find_mkl_local():
+    """MKL's per-thread thread count setter (C API, by value), or None.
+
+    MKL keeps its own thread count beside OpenMP's: with only OpenMP at 1, a small
+    ``mm`` with a long inner dimension still splits it over an OpenMP team, and
+    waits for the team's other thread to be scheduled (a Linear(32, 1000) backward:
+    ~25 µs serial, 0.4-1 ms waiting on a loaded 2-core machine)."""
+    if not torch.backends.mkl.is_available():
+        return None
+    try:
+        lib = ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib",
+                                       "libtorch_cpu.so"))
+        fn = lib.MKL_Set_Num_Threads_Local
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_int]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_mkl_local = _find_mkl_local() if _omp is not None else None
 # A local pass whose leaves and incoming gradients hold fewer elements than this runs
 # its kernels on the calling thread alone.  Each intra-op parallel region wakes the
 # thread's OpenMP workers: on small tensors that wake-up costs more than the split
@@ -108,9 +132,10 @@ _omp = _find_omp() if "OpenMP" in torch.__config__.parallel_info() else None
 SERIAL_MAX_ELEMENTS = 1 << 18
 
 
-def _serial_threads(leaves, grads) -> int | None:
-    """For a small pass: limit this thread's OpenMP threads to 1 (only this thread's
-    setting: other threads keep theirs) and return the number to restore after."""
+def _serial_threads(leaves, grads) -> tuple | None:
+    """For a small pass: limit this thread's OpenMP and MKL threads to 1 (only this
+    thread's settings: other threads keep theirs) and return what to restore after
+    (:func:`_restore_threads`)."""
     if _omp is None:
         return None
     n = 0
@@ -126,7 +151,15 @@ def _serial_threads(leaves, grads) -> int | None:
     if before <= 1:
         return None
     _omp.omp_set_num_threads(1)
-    return before
+    mkl = _mkl_local(1) if _mkl_local is not None else None
+    return before, mkl
+
+
+def _restore_threads(saved: tuple) -> None:
+    omp, mkl = saved
+    if mkl is not None:
+        _mkl_local(mkl)  # 0: MKL's global setting again
+    _omp.omp_set_num_threads(omp)
 
 
 _engine = getattr(getattr(torch.autograd, "variable", None), "Variable", None)
@@ -192,7 +225,7 @@ def _local_pass(ctx: DistAutogradContext, outputs, grads, retain: bool) -> dict:
                     _engine_backward(inner, inner_grads, retain, inputs)
                 finally:
                     if serial is not None:
-                        _omp.omp_set_num_threads(serial)
+                        _restore_threads(serial)
                     for h in handles:
                         h.remove()
         else:
