@@ -793,7 +793,7 @@ def probed_threads():
 
 
 def body_thread_probe(numel):
-    from torchwire.autograd import _backward
+    from torchwire import _intraop
     prev = torch.get_num_threads()
     torch.set_num_threads(2)  # this thread's setting (the suite runs with 1)
     try:
@@ -809,7 +809,7 @@ def body_thread_probe(numel):
     finally:
         torch.set_num_threads(prev)
     return (grads[x], x, grads[w], probed_threads(), threads_before, threads_after,
-            _backward._omp is not None)
+            _intraop._omp is not None)
 
 
 @pytest.mark.parametrize("small", [True, False])

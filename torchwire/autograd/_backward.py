@@ -29,15 +29,15 @@ entries in the context (a later pass from one of them may cross the same nodes).
 
 from __future__ import annotations
 
-import ctypes
-import os
 import threading
 import traceback
 
 import torch
 
 from .. import _serialization as ser
+from .. import _intraop
 from .._errors import RemoteError, WorkerUnavailableError
+from .._intraop import SERIAL_MAX_ELEMENTS  # noqa: F401  (re-exported: tests, docs)
 from .._future import Future
 from ._context import DistAutogradContext, container
 from ._recording import _anchor, _pass
@@ -88,78 +88,6 @@ def _capture(state, leaf, captured: list):
             captured.append((leaf, grad_inputs[0]))
         return (None,)  # AccumulateGrad skips an undefined gradient; its post hooks run
     return hook
-
-
-def _find_omp():
-    """The OpenMP runtime torch's intra-op parallelism runs on (Linux), or None."""
-    try:
-        with open("/proc/self/maps") as f:
-            paths = {line.split()[-1] for line in f if "libgomp" in line or "libiomp" in line}
-        return ctypes.CDLL(sorted(paths)[0]) if paths else None
-    except (OSError, IndexError):
-        return None
-
-
-_omp = _find_omp() if "OpenMP" in torch.__config__.parallel_info() else None
-
-
-def _find_mkl_local():
-    """MKL's per-thread thread count setter (C API, by value), or None.
-
-    MKL keeps its own thread count beside OpenMP's: with only OpenMP at 1, a small
-    ``mm`` with a long inner dimension still splits it over an OpenMP team, and
-    waits for the team's other thread to be scheduled (a Linear(32, 1000) backward:
-    ~25 µs serial, 0.4-1 ms waiting on a loaded 2-core machine)."""
-    if not torch.backends.mkl.is_available():
-        return None
-    try:
-        lib = ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib",
-                                       "libtorch_cpu.so"))
-        fn = lib.MKL_Set_Num_Threads_Local
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes = [ctypes.c_int]
-    fn.restype = ctypes.c_int
-    return fn
-
-
-_mkl_local = _find_mkl_local() if _omp is not None else None
-# A local pass whose leaves and incoming gradients hold fewer elements than this runs
-# its kernels on the calling thread alone.  Each intra-op parallel region wakes the
-# thread's OpenMP workers: on small tensors that wake-up costs more than the split
-# saves (a Linear(32, 1000) backward: 157 µs with 2 threads, 84 µs with 1 on the
-# 2-core bench machine), and a pass is a chain of such regions.
-SERIAL_MAX_ELEMENTS = 1 << 18
-
-
-def _serial_threads(leaves, grads) -> tuple | None:
-    """For a small pass: limit this thread's OpenMP and MKL threads to 1 (only this
-    thread's settings: other threads keep theirs) and return what to restore after
-    (:func:`_restore_threads`)."""
-    if _omp is None:
-        return None
-    n = 0
-    for leaf, _ in leaves:
-        n += leaf.numel()
-    for g in grads:
-        n += g.numel()
-    if n >= SERIAL_MAX_ELEMENTS:
-        return None
-    # torch's own value first: its first call on a thread sets the thread's OpenMP
-    # setting from torch's global one, which would undo ours if it came later
-    before = torch.get_num_threads()
-    if before <= 1:
-        return None
-    _omp.omp_set_num_threads(1)
-    mkl = _mkl_local(1) if _mkl_local is not None else None
-    return before, mkl
-
-
-def _restore_threads(saved: tuple) -> None:
-    omp, mkl = saved
-    if mkl is not None:
-        _mkl_local(mkl)  # 0: MKL's global setting again
-    _omp.omp_set_num_threads(omp)
 
 
 _engine = getattr(getattr(torch.autograd, "variable", None), "Variable", None)
@@ -218,14 +146,15 @@ def _local_pass(ctx: DistAutogradContext, outputs, grads, retain: bool) -> dict:
             with _hooked:
                 handles = [node.register_prehook(_capture(state, leaf, captured))
                            for leaf, node in leaves]
-                serial = _serial_threads(leaves, inner_grads)
+                serial = _intraop.serial_for(
+                    sum(leaf.numel() for leaf, _ in leaves) + sum(g.numel() for g in inner_grads))
                 try:
                     inputs = [leaf for leaf, _ in leaves]
                     inputs.append(_anchor)
                     _engine_backward(inner, inner_grads, retain, inputs)
                 finally:
                     if serial is not None:
-                        _restore_threads(serial)
+                        _intraop.restore(serial)
                     for h in handles:
                         h.remove()
         else:
