@@ -295,11 +295,11 @@ INTERLEAVED = ("sync_noop", "sync_tensor16", "remote_to_here", "rref_proxy")
 
 
 def interleaved_main(lib, rank, port, cfg, cmd_q, res_q):
-    """A process of the interleaved latency phase (see ``bench.run_interleaved``).
+    """A process of a short latency round (see ``bench.run_interleaved``).
 
     worker0 answers ``("block", metric, n, warmup)`` commands with the sorted
     per-call microseconds of ``n`` calls, until ``("stop",)``; worker1 serves.
-    The parent stops (SIGSTOP) this pair while the other library's pair runs.
+    The parent runs one such pair at a time (a short round), then stops it.
     """
     bench_dir = os.path.dirname(os.path.abspath(__file__))
     for p in (bench_dir, os.path.dirname(bench_dir)):
