@@ -814,7 +814,7 @@ def body_thread_probe(numel):
 
 @pytest.mark.parametrize("small", [True, False])
 def test_small_passes_run_single_threaded_and_restore_the_setting(world, small):
-    from torchwire.autograd._backward import SERIAL_MAX_ELEMENTS
+    from torchwire._intraop import SERIAL_MAX_ELEMENTS
     numel = 64 if small else SERIAL_MAX_ELEMENTS
     gx, x, gw, probed, before, after, omp = world.run(0, body_thread_probe, numel)
     torch.testing.assert_close(gx, 2 * x)  # d(x^2)/dx: the pass went through worker1

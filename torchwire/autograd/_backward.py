@@ -37,7 +37,6 @@ import torch
 from .. import _serialization as ser
 from .. import _intraop
 from .._errors import RemoteError, WorkerUnavailableError
-from .._intraop import SERIAL_MAX_ELEMENTS  # noqa: F401  (re-exported: tests, docs)
 from .._future import Future
 from ._context import DistAutogradContext, container
 from ._recording import _anchor, _pass
