@@ -262,33 +262,40 @@ def body_fan_out():
     torch.testing.assert_close(got, 2 * x.detach() * (1 + 4 + 9))
 
 
-def _replies_in_place():
-    return rpc.stats()["replies_in_place"]
+def _messages():
+    st = rpc.stats()
+    return st["calls_sent"], st["replies_sent"]
 
 
-def body_nested_replies_in_place(n):
-    """A cycle A -> B -> A, backward n times: B's part of each pass finishes when A's
-    reply reaches B's reader, which then replies to A itself (no pool hop)."""
+def body_cycle_messages(n):
+    """A cycle A -> B -> A, backward n times: what each pass sends, per worker."""
     a = torch.rand(4, requires_grad=True)
     w = torch.rand(4, requires_grad=True)
-    before = rpc.rpc_sync("worker1", _replies_in_place)
+    sent = []
     for _ in range(n):
         with dist_autograd.context() as cid:
             z = rpc.rpc_sync("worker1", call_back, args=("worker0", a * 2, w))
-            dist_autograd.backward(cid, [(z * z).sum()])
+            loss = (z * z).sum()
+            before = _messages(), rpc.rpc_sync("worker1", _messages)
+            dist_autograd.backward(cid, [loss])
+            after = _messages(), rpc.rpc_sync("worker1", _messages)
             got = dist_autograd.get_gradients(cid)
+        # the probes: one call from A, one reply from B
+        sent.append(((after[0][0] - before[0][0] - 1, after[0][1] - before[0][1]),
+                     (after[1][0] - before[1][0], after[1][1] - before[1][1] - 1)))
         y = a.detach() * 2
         expect = (torch.sin(y) * w.detach() * y) * 2 * y
         torch.testing.assert_close(got[w], expect * torch.sin(y))
-    return rpc.rpc_sync("worker1", _replies_in_place) - before
+    return sent
 
 
-def test_nested_backward_replies_are_written_by_the_reader(world):
-    # Two of B's requests per pass end that way.  One whose reply comes back before B
-    # has registered its callback is replied on B's own thread instead (no hop
-    # either, not counted): a few may, not most.
-    in_place = world.run(0, body_nested_replies_in_place, 5)
-    assert 3 <= in_place <= 10, f"{in_place} of 10 nested replies written in place"
+def test_a_pass_sends_one_message_per_hop_and_no_replies(world):
+    # The pass crosses A -> B -> A -> B -> A (z's, mul's result's, y's and x's, w's
+    # gradients).  Each hop is one one-way message; B's reports to A ride on its
+    # gradients, and A's own part ends here: no reply, no separate report.  (Waiting
+    # for replies would add four, written as the chain unwinds.)
+    sent = world.run(0, body_cycle_messages, 3)
+    assert sent == [((2, 0), (2, 0))] * 3, sent
 
 
 class Traced(torch.Tensor):

@@ -164,6 +164,119 @@ def test_sigkill_fails_everything_that_depended_on_the_worker_and_nothing_else()
     assert shutdown0 < 10 and shutdown1 < 10
 
 
+# ---------------------------------------------------------------- death in a backward pass
+
+
+class _InBackward(torch.autograd.Function):
+    """Identity forward; its backward runs ``then(grad)``."""
+
+    @staticmethod
+    def forward(ctx, x, then):
+        ctx.then = then
+        return x * 1
+
+    @staticmethod
+    def backward(ctx, grad):
+        return ctx.then(grad), None
+
+
+def _crash(grad):
+    from _cluster import die
+    die("died in backward")  # a crash mid-pass
+
+
+def _stall(grad):
+    time.sleep(3)
+    return grad
+
+
+def crash_in_backward(x):
+    return _InBackward.apply(x, _crash)
+
+
+def slow_in_backward(x):
+    return _InBackward.apply(x, _stall)
+
+
+def _backward_through_worker1(x):
+    """A pass that stays clear of worker2 still works, and leaves nothing running."""
+    with dist_autograd.context() as cid:
+        y = rpc.rpc_sync("worker1", torch.mul, args=(x, 3))
+        dist_autograd.backward(cid, [y.sum()])
+        assert dist_autograd.get_gradients(cid)[x].tolist() == [3.0] * 3
+        assert dist_autograd._debug_info()["num_current_backward_passes"] == 0
+
+
+def relay(to, x):
+    return rpc.rpc_sync(to, crash_in_backward, args=(x * 2,))
+
+
+@pytest.mark.parametrize("path", ["direct", "through_another_worker"])
+def test_a_worker_lost_in_its_part_of_a_backward_pass_fails_the_pass_naming_it(path):
+    # The pass reaches worker2 from the root (direct) or from worker1, which then
+    # tells the root (worker0 never talked to worker2).  worker2's part crashes.
+    def body(rank, world_size, init_method):
+        rpc.init_rpc(f"worker{rank}", rank=rank, world_size=world_size,
+                     rpc_backend_options=options(init_method, rpc_timeout=30))
+        if rank == 2:
+            time.sleep(60)
+        if rank == 1:
+            assert rpc.rpc_sync("worker0", add, args=(1, 2)) == 3  # after worker0's pass
+            rpc.shutdown()
+            return "served"
+        x = torch.ones(3, requires_grad=True)
+        with dist_autograd.context() as cid:
+            if path == "direct":
+                y = rpc.rpc_sync("worker2", crash_in_backward, args=(x,))
+            else:
+                y = rpc.rpc_sync("worker1", relay, args=("worker2", x))
+            t0 = time.monotonic()
+            with pytest.raises(torchwire.WorkerUnavailableError, match="worker2") as info:
+                dist_autograd.backward(cid, [y.sum()])
+            failed = time.monotonic() - t0
+            assert info.value.worker_name == "worker2"
+        _backward_through_worker1(x)
+        rpc.shutdown()
+        return failed
+
+    procs = _start(body, 3)
+    try:
+        failed = _result(procs, 0)
+        assert [_result(procs, r) for r in (1, 2)] == ["served", "died in backward"]
+    finally:
+        _reap(procs)
+    print(f"the pass failed {failed:.3f} s after it started")
+    assert failed < 5
+
+
+def test_a_backward_pass_that_makes_no_progress_times_out_naming_the_worker():
+    def body(rank, world_size, init_method):
+        rpc.init_rpc(f"worker{rank}", rank=rank, world_size=world_size,
+                     rpc_backend_options=options(init_method, rpc_timeout=1))
+        if rank == 1:
+            rpc.shutdown()
+            return "served"
+        x = torch.ones(3, requires_grad=True)
+        with dist_autograd.context() as cid:
+            y = rpc.rpc_sync("worker1", slow_in_backward, args=(x,))
+            t0 = time.monotonic()
+            with pytest.raises(torchwire.RpcTimeoutError, match="no progress.*worker1"):
+                dist_autograd.backward(cid, [y.sum()])
+            timed_out = time.monotonic() - t0
+        time.sleep(2.5)  # worker1's part ends; its late report is dropped
+        _backward_through_worker1(x)
+        rpc.shutdown()
+        return timed_out
+
+    procs = _start(body, 2)
+    try:
+        timed_out = _result(procs, 0)
+        assert _result(procs, 1) == "served"
+    finally:
+        _reap(procs)
+    assert 0.9 < timed_out < 2.5
+
+
 def test_worker_killed_before_anyone_connected_to_it_is_reported_at_once():
     def body(rank, world_size, init_method):
         from _cluster import die

@@ -167,6 +167,7 @@ class RpcAgent:
         self._sent = 0
         self._received = 0
         self._replies_in_place = 0
+        self._replies_sent = 0
         # per peer, for termination detection without the peers that are gone
         if world_size is None:  # only counted: a dynamic group has no termination rounds
             self._sent_to = collections.defaultdict(int)
@@ -215,6 +216,7 @@ class RpcAgent:
             "calls_sent": self._sent,
             "calls_served": self._received,
             "pending": len(self._pending),
+            "replies_sent": self._replies_sent,
             # replies an I/O thread wrote itself, without a pool hop (see _reply_nowait)
             "replies_in_place": self._replies_in_place,
             "connections": len(conns),
@@ -681,13 +683,7 @@ class RpcAgent:
                         "Functions decorated with @rpc.async_function must return a "
                         f"torch.futures.Future object, but {_func_name(func)} "
                         f"(@rpc.functions.async_execution) returned {type(fut).__name__}")
-                if getattr(func, "_tw_reply_inline", False):
-                    # torchwire's own (the backward pass): no user callbacks to order
-                    # after; the completing thread replies (see _reply_future)
-                    torch._C.Future.add_done_callback(
-                        fut, lambda f: self._reply_future(conn, rid, f))
-                else:
-                    fut.add_done_callback(lambda f: self._reply_future(conn, rid, f))
+                fut.add_done_callback(lambda f: self._reply_future(conn, rid, f))
                 return
             result = func(*(args or ()), **(kwargs or {}))
             if type(result) is Deferred:  # torchwire-internal functions (RRefs)
@@ -744,7 +740,9 @@ class RpcAgent:
                 F.HEADER.pack(F.MAGIC, F.VERSION, F.K_RESPONSE, 0, rid, len(payload), 0, 0)
                 + payload):
             return False
-        self._replies_in_place += 1  # I/O threads only: racy by a count at worst
+        with self._stats_lock:
+            self._replies_in_place += 1
+            self._replies_sent += 1
         return True
 
     def _reply_value(self, conn, rid: int, value) -> None:
@@ -763,6 +761,9 @@ class RpcAgent:
                 sent.abort()
             log.debug("torchwire: reply %d to rank %s dropped: connection closed", rid,
                       conn.peer_rank)
+            return
+        with self._stats_lock:
+            self._replies_sent += 1
 
     def _reply_error(self, conn, rid: int, exc: BaseException, tb: str) -> None:
         if rid == 0:
@@ -774,6 +775,9 @@ class RpcAgent:
             conn.send_frame(F.K_RESPONSE, F.F_ERROR, rid, payload)
         except ConnectionClosedError:
             log.debug("torchwire: error reply %d dropped: connection closed", rid)
+            return
+        with self._stats_lock:
+            self._replies_sent += 1
 
     # ------------------------------------------------------------------ connections
 

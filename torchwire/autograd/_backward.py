@@ -7,18 +7,22 @@
                  on each AccumulateGrad node takes the gradient into C's record
                  (none reaches .grad; the leaves' and nodes' hooks run).  Each recv node reached
                  hands its (engine-summed) gradient to the pass.
-    fan out:     for each worker S that sent a tensor reached: one request
-                 _backward_remote(C, [(send id, grad), ...]) to S
+    fan out:     for each worker S that sent a tensor reached: one one-way request
+                 _backward_hop(C, pass, weight, [(send id, grad), ...]) to S
     on S:        a local pass from those send entries with those gradients,
-                 then the same fan-out; S replies once all of its requests
-                 replied (async_execution: no thread waits meanwhile)
-    W returns when every request it sent has replied: every worker reached
-    has finished.
+                 then the same fan-out
+    W returns when every part of the pass has finished (weight-throwing
+    termination, see :class:`_Pass`): each part reports to W how it split the
+    weight it got among the workers it sent gradients to, or hands it back
+    when it sent none; a report to W rides on the gradients when they go
+    there.  A chain W -> S -> W -> S costs its three messages and one report
+    back, not three replies that unwind the chain.
 
-A failure anywhere travels back as a reply *value* (the failing node's rank,
-name, error type, message and traceback), so the caller raises one error
-naming the node where it happened: ``Error on Node <rank>: <message>`` (torch's
-words) and the worker's name.
+A failure anywhere travels to W in a report (the failing node's rank, name,
+error type, message and traceback), so W raises one error naming the node
+where it happened: ``Error on Node <rank>: <message>`` (torch's words) and the
+worker's name.  W also fails the pass when a worker that holds part of it is
+lost, and when the pass made no progress for the RPC timeout.
 
 A send entry may be reached again by a later pass (another path through the
 cycle, or ``retain_graph=True`` on the roots), so passes from send entries keep
@@ -29,17 +33,20 @@ entries in the context (a later pass from one of them may cross the same nodes).
 
 from __future__ import annotations
 
+import logging
 import threading
+import time
 import traceback
 
 import torch
 
 from .. import _serialization as ser
 from .. import _intraop
-from .._errors import RemoteError, WorkerUnavailableError
-from .._future import Future
+from .._errors import RemoteError, RpcTimeoutError, WorkerUnavailableError
 from ._context import DistAutogradContext, container
 from ._recording import _anchor, _pass
+
+log = logging.getLogger(__name__)
 
 
 class _Through(torch.autograd.Function):
@@ -167,88 +174,188 @@ def _local_pass(ctx: DistAutogradContext, outputs, grads, retain: bool) -> dict:
     return out
 
 
-def _failure(rank: int, exc: BaseException, tb: str | None = None) -> tuple:
-    agent = container().agent
-    name = agent.get_worker_info(rank).name
+def _failure(rank: int, exc: BaseException, tb: str | None = None, agent=None) -> tuple:
+    agent = agent if agent is not None else container().agent
+    name = agent._name_of(rank)
     return (rank, name, f"{type(exc).__module__}.{type(exc).__qualname__}", str(exc),
             tb if tb is not None else "".join(traceback.format_exception(exc)))
 
 
-def _done(value) -> Future:
-    fut = Future()
-    fut.set_result(value)
-    return fut
+# The weight a pass starts with.  Splitting among k workers gives each w // k (the
+# first ones one more, so nothing is lost); only fan-outs use it up, by log2(k)
+# bits each: a pass would have to branch 1024 times in a row to run out.
+_WHOLE = 1 << 1024
 
 
-def _run(ctx: DistAutogradContext, outputs, grads, retain: bool) -> Future:
-    """A local pass and its fan-out; the future's value is None or a failure tuple."""
-    c = container()
-    with c._lock:
-        c.backward_passes += 1
-    fut = _pass_and_fan_out(c, ctx, outputs, grads, retain)
+class _Pass:
+    """The root's record of one distributed backward pass (weight-throwing termination).
 
-    def finished(_f) -> None:
-        with c._lock:
-            c.backward_passes -= 1
-    fut._add_inline_callback(finished)
-    return fut
+    The pass starts with weight ``_WHOLE`` on the root.  A worker that runs part of
+    it splits the weight it got among the workers it sends gradients to, and
+    reports the move to the root: ``(its rank, its weight, [(child, weight), ...])``;
+    a part that sends nothing hands its weight back that way.  ``held`` is the
+    root's view of who holds weight; the pass is over when nobody does.  Reports
+    may arrive in any order (a child's before its parent's): an entry may go
+    negative meanwhile, and the pass is over only when every entry is zero.
+    """
+
+    __slots__ = ("key", "held", "failure", "done", "lock", "progress")
+
+    def __init__(self, key: tuple, root: int) -> None:
+        self.key = key
+        self.held: dict[int, int] = {root: _WHOLE}
+        self.failure: tuple | None = None
+        self.done = threading.Event()
+        self.lock = threading.Lock()
+        self.progress = time.monotonic()
+
+    def move(self, report, failure, agent) -> None:
+        """Apply a report (None: a failure only)."""
+        lost = None
+        with self.lock:
+            if report is not None:
+                src, weight, children = report
+                held = self.held
+                w = held.get(src, 0) - weight
+                if w:
+                    held[src] = w
+                else:
+                    del held[src]
+                for dest, weight in children:
+                    w = held.get(dest, 0) + weight
+                    if w:
+                        held[dest] = w
+                        if w > 0 and lost is None and agent._health.is_down(dest):
+                            lost = dest  # reported after that worker was lost here
+                    else:
+                        del held[dest]
+            self.progress = time.monotonic()
+            if failure is not None and self.failure is None:
+                self.failure = failure
+            if self.failure is not None or not self.held:
+                self.done.set()
+        if lost is not None:
+            self.lost(lost, lambda: _failure(lost, agent._unavailable(lost, "it is gone"), "",
+                                             agent))
+
+    def lost(self, rank: int, failure) -> None:
+        """Worker ``rank`` is gone (``failure()`` builds the error): the pass fails if
+        that worker holds weight."""
+        with self.lock:
+            if self.failure is None and self.held.get(rank, 0) > 0:
+                self.failure = failure()
+                self.done.set()
+
+    def abort(self, failure: tuple) -> None:
+        with self.lock:
+            if self.failure is None:
+                self.failure = failure
+            self.done.set()
 
 
-def _pass_and_fan_out(c, ctx: DistAutogradContext, outputs, grads, retain: bool) -> Future:
-    try:
-        outgoing = _local_pass(ctx, outputs, grads, retain)
-    except Exception as exc:
-        return _done(_failure(c.rank, exc))
+def _split(weight: int, dests) -> list[tuple[int, int]]:
+    k = len(dests)
+    share, extra = divmod(weight, k)
+    if share == 0:
+        raise RuntimeError("the distributed backward pass branched too often to track "
+                           f"(its weight ran out at a fan-out to {k} workers)")
+    return [(d, share + (i < extra)) for i, d in enumerate(dests)]
+
+
+def _forward(c, ctx: DistAutogradContext, key: tuple, weight: int, outgoing: dict) -> None:
+    """Send this part's gradients on, splitting ``weight`` among the workers they go
+    to, and report the move to the root.  The report rides on the gradients when
+    some go to the root; the root applies its own before sending (a thread that
+    sends may wait for a CPU afterwards: its peer's thread, woken, can take it)."""
+    root = key[0]
     by_dest: dict[int, list] = {}
     for (src, sid), g in outgoing.items():
         by_dest.setdefault(src, []).append((sid, g))
-    if not by_dest:
-        return _done(None)
+    try:
+        shares = _split(weight, list(by_dest)) if by_dest else []
+    except RuntimeError as exc:
+        _report(c, key, (c.rank, weight, []), _failure(c.rank, exc))
+        return
+    report = (c.rank, weight, shares)
+    if root == c.rank or not by_dest:
+        _report(c, key, report, None)
+        if not by_dest:
+            return
+        report = None
+    carried = root in by_dest and root != c.rank
+    if root != c.rank:
+        with ctx.lock:
+            ctx.forwarded.setdefault(key, set()).update(by_dest)
+    failure = None
     agent = c.agent
     prev = ser.set_grad_context(None)  # control traffic of the pass, in no context
     try:
-        calls = []
-        for dest, items in by_dest.items():
+        for dest, share in shares:
             try:
-                fut = agent.call(agent.get_worker_info(dest), _backward_remote,
-                                 (ctx.id, items), None, agent.rpc_timeout)
-            except Exception as exc:
-                fut = Future()
-                fut.set_exception(exc)
-            calls.append((dest, fut))
+                agent.notify(agent.get_worker_info(dest), _backward_hop,
+                             (ctx.id, key, share, by_dest[dest],
+                              report if carried and dest == root else None))
+            except Exception as exc:  # the worker is gone or cut off
+                if failure is None:
+                    failure = _failure(dest, exc, "")
     finally:
         ser.set_grad_context(prev)
-    return _join(calls)
+    if carried:
+        report = None
+    if report is not None or failure is not None:
+        _report(c, key, report, failure)
 
 
-def _join(calls) -> Future:
-    """A future done when every call is: None, or the first failure reported."""
-    out = Future()
-    left = [len(calls)]
-    first: list = [None]
-    lock = threading.Lock()
-
-    def one(dest: int, f) -> None:
-        try:
-            failure = f.value()
-        except Exception as exc:  # transport: the worker is gone, timed out...
-            failure = _failure(dest, exc, "")
-        with lock:
-            if failure is not None and first[0] is None:
-                first[0] = failure
-            left[0] -= 1
-            last = left[0] == 0
-        if last:
-            out.set_result(first[0])
-
-    for dest, fut in calls:
-        fut._add_inline_callback(lambda f, d=dest: one(d, f))
-    return out
+def _report(c, key: tuple, report, failure) -> None:
+    if key[0] == c.rank:
+        rec = c.passes.get(key)
+        if rec is not None:
+            rec.move(report, failure, c.agent)
+        return
+    agent = c.agent
+    prev = ser.set_grad_context(None)
+    try:
+        agent.notify(agent.get_worker_info(key[0]), _apply_report, (key, report, failure))
+    except Exception as exc:  # the root is gone: nobody waits for this pass
+        log.debug("torchwire: report of backward pass %s not sent: %s", key, exc)
+    finally:
+        ser.set_grad_context(prev)
 
 
-def _backward_remote(context_id: int, items) -> Future:
-    """Request: continue the backward pass from this worker's send entries."""
+def _apply_report(key: tuple, report, failure) -> None:
+    """One-way request, on the root: a part of pass ``key`` moved its weight on,
+    finished, or failed."""
     c = container()
+    rec = c.passes.get(key)
+    if rec is not None:
+        rec.move(report, failure, c.agent)
+
+
+def _part(c, ctx: DistAutogradContext, key: tuple, weight: int, outputs, grads,
+          retain: bool) -> None:
+    """One worker's part of pass ``key``: a local pass, then the gradients go on."""
+    with c._lock:
+        c.backward_passes += 1
+    try:
+        try:
+            outgoing = _local_pass(ctx, outputs, grads, retain)
+        except Exception as exc:
+            _report(c, key, (c.rank, weight, []), _failure(c.rank, exc))
+            return
+        _forward(c, ctx, key, weight, outgoing)
+    finally:
+        with c._lock:
+            c.backward_passes -= 1
+
+
+def _backward_hop(context_id: int, key: tuple, weight: int, items, report) -> None:
+    """One-way request: continue pass ``key`` from this worker's send entries,
+    holding ``weight`` of it; ``report``: the sender's report, when this is the root."""
+    c = container()
+    if report is not None:
+        rec = c.passes.get(key)
+        if rec is not None:
+            rec.move(report, None, c.agent)
     try:
         ctx = c.get(context_id)
         with ctx.lock:
@@ -256,12 +363,9 @@ def _backward_remote(context_id: int, items) -> Future:
     except Exception as exc:
         if isinstance(exc, KeyError):
             exc = RuntimeError(f"autograd context {context_id} has no send entry {exc} here")
-        return _done(_failure(c.rank, exc))
-    return _run(ctx, outputs, [g for _, g in items], True)
-
-
-_backward_remote._wrapped_async_rpc_function = _backward_remote  # type: ignore[attr-defined]
-_backward_remote._tw_reply_inline = True  # type: ignore[attr-defined]
+        _report(c, key, (c.rank, weight, []), _failure(c.rank, exc))
+        return
+    _part(c, ctx, key, weight, outputs, [g for _, g in items], True)
 
 
 def _check_roots(roots) -> list[torch.Tensor]:
@@ -321,9 +425,41 @@ def backward(context_id: int, roots, retain_graph: bool = False) -> None:
     roots = _check_roots(roots)
     ctx = c.get(context_id)
     retain = bool(retain_graph) or bool(ctx.sends)
-    failure = _run(ctx, roots, [torch.ones_like(r) for r in roots], retain).wait()
-    if failure is not None:
-        raise _error(c.rank, failure)
+    key = (c.rank, next(c.pass_ids))
+    rec = c.passes[key] = _Pass(key, c.rank)
+    try:
+        _part(c, ctx, key, _WHOLE, roots, [torch.ones_like(r) for r in roots], retain)
+        _wait(c, rec)
+    finally:
+        c.passes.pop(key, None)
+    if rec.failure is not None:
+        raise _error(c.rank, rec.failure)
+
+
+def _wait(c, rec: _Pass) -> None:
+    """Until the pass is over, or it made no progress for ``rpc_timeout``."""
+    timeout = c.agent.rpc_timeout
+    with c._lock:
+        c.backward_passes += 1
+    try:
+        while True:
+            if timeout > 0:
+                left = rec.progress + timeout - time.monotonic()
+                if left <= 0 or not rec.done.wait(left):
+                    with rec.lock:
+                        if rec.done.is_set() or rec.progress + timeout > time.monotonic():
+                            continue
+                        held = sorted(r for r, w in rec.held.items() if w > 0)
+                    names = ", ".join(c.agent._name_of(r) for r in held) or "?"
+                    raise RpcTimeoutError(
+                        f"the distributed backward pass made no progress for "
+                        f"{int(timeout * 1000)} ms (the RPC timeout); waiting on {names}")
+            else:
+                rec.done.wait()
+            return
+    finally:
+        with c._lock:
+            c.backward_passes -= 1
 
 
 def _error(here: int, failure: tuple) -> RuntimeError:

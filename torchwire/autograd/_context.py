@@ -44,7 +44,7 @@ _TOMBSTONES_MAX = 100_000
 class DistAutogradContext:
     """One worker's record of a distributed autograd context."""
 
-    __slots__ = ("id", "lock", "sends", "grads", "known", "recvs", "__weakref__")
+    __slots__ = ("id", "lock", "sends", "grads", "known", "recvs", "forwarded", "__weakref__")
 
     def __init__(self, context_id: int) -> None:
         self.id = context_id
@@ -53,6 +53,9 @@ class DistAutogradContext:
         self.grads: dict[torch.Tensor, torch.Tensor] = {}
         self.known: set[int] = set()
         self.recvs = 0
+        # backward passes of other roots this worker sent gradients on in:
+        # pass key -> ranks (if one is lost, the root must hear of it from here)
+        self.forwarded: dict[tuple, set[int]] = {}
 
     # torch's DistAutogradContext methods
     def _context_id(self) -> int:
@@ -147,6 +150,9 @@ class ContextContainer:
         self._next = itertools.count(0)
         self._send_ids = itertools.count(1)
         self.backward_passes = 0
+        # backward passes rooted here: (rank, serial) -> _backward._Pass
+        self.passes: dict = {}
+        self.pass_ids = itertools.count(1)
 
     def __repr__(self) -> str:
         return (f"<ContextContainer rank={self.rank} contexts={len(self._contexts)} "
@@ -238,6 +244,39 @@ class ContextContainer:
                 ser.set_grad_context(prev)
         return ctx
 
+    # ------------------------------------------------------------------ agent plugin
+
+    def settle(self, deadline: float) -> None:
+        pass  # nothing queued: a pass's messages are sent as it runs
+
+    def idle(self) -> bool:
+        return not self.passes
+
+    def all_arrived(self) -> None:
+        pass
+
+    def peer_lost(self, rank: int, error: BaseException) -> None:
+        """A backward pass rooted here fails if the lost worker holds part of it; the
+        root of one that this worker sent gradients on to it hears of the loss."""
+        from ._backward import _failure, _report
+        for rec in list(self.passes.values()):
+            rec.lost(rank, lambda: _failure(rank, error, "", self.agent))
+        with self._lock:
+            contexts = list(self._contexts.values())
+        for ctx in contexts:
+            with ctx.lock:
+                keys = [k for k, dests in ctx.forwarded.items() if rank in dests]
+            for key in keys:
+                _report(self, key, None, _failure(rank, error, "", self.agent))
+
+    def close(self) -> None:
+        """The agent is shut down: every pass still waiting here fails."""
+        from .._errors import RpcStateError
+        from ._backward import _failure
+        err = RpcStateError("RPC agent is shut down before the backward pass completed")
+        for rec in list(self.passes.values()):
+            rec.abort(_failure(self.rank, err, "", self.agent))
+
     def debug_info(self) -> dict[str, int]:
         with self._lock:
             contexts = list(self._contexts.values())
@@ -275,6 +314,7 @@ def _new_container(agent) -> ContextContainer:
         c = _container
         if c is None or c.agent is not agent:
             c = _container = ContextContainer(agent)
+            agent.add_plugin(c)
         return c
 
 
