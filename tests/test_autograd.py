@@ -298,6 +298,28 @@ def test_a_pass_sends_one_message_per_hop_and_no_replies(world):
     assert sent == [((2, 0), (2, 0))] * 3, sent
 
 
+def backward_inside(to):
+    """On the callee, possibly in place on its reader: a distributed backward whose
+    gradients come back on the connection this request came in on."""
+    w = torch.rand(3, requires_grad=True)
+    with dist_autograd.context() as cid:
+        y = rpc.rpc_sync(to, torch.mul, args=(w, 2.0))
+        dist_autograd.backward(cid, [y.sum()])
+        return dist_autograd.get_gradients(cid)[w]
+
+
+def body_backward_inside_rpc(n):
+    return [rpc.rpc_sync("worker1", backward_inside, args=("worker0",)) for _ in range(n)]
+
+
+def test_backward_inside_an_rpc_whose_gradients_come_back_on_the_callers_connection(world):
+    # worker1's pass waits for worker0's part, whose gradients (and report) come back
+    # on the connection worker1 read the request from: its reader hands the reading off
+    # before waiting, as it does for a nested rpc_sync.
+    got = world.run(0, body_backward_inside_rpc, 20)
+    assert [g.tolist() for g in got] == [[2.0] * 3] * 20
+
+
 class Traced(torch.Tensor):
     """A tensor subclass that records the torch functions called on it."""
 

@@ -33,6 +33,7 @@ entries in the context (a later pass from one of them may cross the same nodes).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -41,7 +42,7 @@ import traceback
 import torch
 
 from .. import _serialization as ser
-from .. import _intraop
+from .. import _intraop, _threads
 from .._errors import RemoteError, RpcTimeoutError, WorkerUnavailableError
 from ._context import DistAutogradContext, container
 from ._recording import _anchor, _pass
@@ -437,29 +438,42 @@ def backward(context_id: int, roots, retain_graph: bool = False) -> None:
 
 
 def _wait(c, rec: _Pass) -> None:
-    """Until the pass is over, or it made no progress for ``rpc_timeout``."""
+    """Until the pass is over, or it made no progress for ``rpc_timeout``.
+
+    As a torchwire future's ``wait``: a reader running this in place (``backward``
+    inside an RPC) first hands its reading off, as the pass's reports may come on its
+    own connection; a pool thread lets the pool start another meanwhile."""
     timeout = c.agent.rpc_timeout
+    if not rec.done.is_set():
+        _threads.before_blocking()
+    pool = _threads.current_pool()
     with c._lock:
         c.backward_passes += 1
     try:
-        while True:
-            if timeout > 0:
-                left = rec.progress + timeout - time.monotonic()
-                if left <= 0 or not rec.done.wait(left):
-                    with rec.lock:
-                        if rec.done.is_set() or rec.progress + timeout > time.monotonic():
-                            continue
-                        held = sorted(r for r, w in rec.held.items() if w > 0)
-                    names = ", ".join(c.agent._name_of(r) for r in held) or "?"
-                    raise RpcTimeoutError(
-                        f"the distributed backward pass made no progress for "
-                        f"{int(timeout * 1000)} ms (the RPC timeout); waiting on {names}")
-            else:
-                rec.done.wait()
-            return
+        with pool.blocking() if pool is not None else contextlib.nullcontext():
+            _wait_loop(c, rec, timeout)
     finally:
         with c._lock:
             c.backward_passes -= 1
+
+
+def _wait_loop(c, rec: _Pass, timeout: float) -> None:
+    if timeout <= 0:
+        rec.done.wait()
+        return
+    while not rec.done.is_set():
+        left = rec.progress + timeout - time.monotonic()
+        if left > 0:
+            rec.done.wait(left)
+            continue
+        with rec.lock:
+            if rec.done.is_set() or rec.progress + timeout > time.monotonic():
+                continue
+            held = sorted(r for r, w in rec.held.items() if w > 0)
+        names = ", ".join(c.agent._name_of(r) for r in held) or "?"
+        raise RpcTimeoutError(
+            f"the distributed backward pass made no progress for {int(timeout * 1000)} ms "
+            f"(the RPC timeout); waiting on {names}")
 
 
 def _error(here: int, failure: tuple) -> RuntimeError:
