@@ -373,7 +373,7 @@ class _Proxy:
         rref, mode, timeout = self._rref, self._mode, self._timeout
 
         def method(*args, **kwargs):
-            from .rpc import api
+            api = _rpc_api or _import_api()
             if mode != "async" or rref._type is not None:
                 # As torch: the value's type (fetched once per RRef) must have the
                 # method; a typo fails here, before anything runs remotely.
@@ -388,6 +388,18 @@ class _Proxy:
 
     def __repr__(self) -> str:
         return f"<RRef {self._mode} proxy of {self._rref}>"
+
+
+_rpc_api = None  # torchwire.rpc.api, once imported (it imports this module)
+
+
+def _import_api():
+    """The API module, imported on first use: an import statement in a call's path
+    costs microseconds with cold caches."""
+    global _rpc_api
+    from .rpc import api
+    _rpc_api = api
+    return api
 
 
 # --------------------------------------------------------------------------- the context

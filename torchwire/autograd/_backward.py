@@ -73,13 +73,16 @@ def _leaves(outputs) -> list[tuple[torch.Tensor, object]]:
         if node is None or node in seen:
             continue
         seen.add(node)
-        var = getattr(node, "variable", None)
-        if var is not None:
+        if type(node) is _ACCUMULATE:  # (getattr(node, "variable") raises elsewhere: slow)
+            var = node.variable
             if var is not _anchor:
                 leaves.append((var, node))
             continue
         stack.extend(f for f, _ in node.next_functions)
     return leaves
+
+
+_ACCUMULATE = torch._C._functions.AccumulateGrad
 
 
 _hooked = threading.Lock()
@@ -129,14 +132,14 @@ def _local_pass(ctx: DistAutogradContext, outputs, grads, retain: bool) -> dict:
     gradients, without the nodes' pre and post hooks.
     """
     inner, inner_grads = [], []
-    with torch.enable_grad():
-        for t, g in zip(outputs, grads):
-            if t.grad_fn is not None:
-                inner.append(t)
-                inner_grads.append(g)
-            elif t.requires_grad:  # a leaf sent as is
+    for t, g in zip(outputs, grads):
+        if t.grad_fn is not None:
+            inner.append(t)
+            inner_grads.append(g)
+        elif t.requires_grad:  # a leaf sent as is
+            with torch.enable_grad():
                 inner.append(_Through.apply(t))
-                inner_grads.append(g)
+            inner_grads.append(g)
     if not inner:
         return {}
     leaves = _leaves(inner)

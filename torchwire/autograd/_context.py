@@ -300,7 +300,23 @@ def container() -> ContextContainer:
     Raises:
         RpcStateError: RPC is not initialized.
     """
+    c = _container
+    api = _rpc_api
+    if c is not None and api is not None and c.agent is api._agent and \
+            c.agent.state is not _CLOSED:
+        return c  # the common case: no import statement (microseconds, cold)
+    return _container_slow()
+
+
+# torchwire.rpc.api and AgentState.CLOSED, once imported (at import time: a cycle)
+_rpc_api = _CLOSED = None
+
+
+def _container_slow() -> ContextContainer:
+    global _rpc_api, _CLOSED
+    from .._agent import AgentState
     from ..rpc import api
+    _rpc_api, _CLOSED = api, AgentState.CLOSED
     agent = api._require_agent()
     c = _container
     if c is None or c.agent is not agent:

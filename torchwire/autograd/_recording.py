@@ -63,6 +63,8 @@ def _rebuild_recv(context_id: int, src: int, send_id: int, t: torch.Tensor):
         # received tensors are views of the receive buffer; marking a view dirty would
         # rebase its base's history instead.  detach(): same memory, not a view.
         t = t.detach()
+    if torch.is_grad_enabled():  # (a context manager costs microseconds, cold)
+        return _Recv.apply(_anchor, t, (context_id, src, send_id))
     with torch.enable_grad():
         return _Recv.apply(_anchor, t, (context_id, src, send_id))
 

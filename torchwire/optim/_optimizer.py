@@ -16,6 +16,7 @@ import threading
 
 from .. import _serialization as ser
 from .._rref import RRef
+from ..rpc import api
 from ..autograd import _context
 
 
@@ -72,7 +73,6 @@ class DistributedOptimizer:
     """
 
     def __init__(self, optimizer_class, params_rref, *args, **kwargs) -> None:
-        from ..rpc import api
         params = list(params_rref)
         if not all(isinstance(r, RRef) for r in params):
             raise TypeError("DistributedOptimizer takes a list of parameter RRefs "
@@ -104,7 +104,6 @@ class DistributedOptimizer:
             RuntimeError: ``context_id`` is not a context of this worker ("Could not
                 find autograd context with id"); or a step failed (the first error).
         """
-        from ..rpc import api
         _context.container().get(context_id)
         prev = ser.set_grad_context(None)
         try:
