@@ -30,7 +30,19 @@ import torch
 from ._errors import RemoteError, SerializationError
 
 _PROTOCOL = pickle.HIGHEST_PROTOCOL
-_tls = threading.local()
+class _Tls(threading.local):
+    """Per-thread state of the message being pickled or unpickled.  Class attributes
+    are the defaults: a missing one would be an AttributeError raised and caught on
+    every ``getattr(_tls, name, None)`` (microseconds, with the caches cold)."""
+
+    send = None  # SendContext of the message being pickled
+    pickler = None  # [pickler, its BytesIO, in use]
+    tensors = None  # the received tensor table being unpickled
+    recv_hook = None
+    gates = None
+
+
+_tls = _Tls()
 
 # type -> reducer(obj) returning a pickle reduce tuple; consulted for exact type first.
 _extra_reducers: dict[type, Callable[[Any], Any]] = {}

@@ -4,7 +4,15 @@ from __future__ import annotations
 
 import threading
 
-_local = threading.local()
+class _Local(threading.local):
+    # defaults as class attributes: getattr() on a missing one raises and catches an
+    # AttributeError (microseconds, with the caches cold, on every RPC wait)
+    io = False
+    pool = None
+    inline = None
+
+
+_local = _Local()
 
 
 def mark_io_thread() -> None:

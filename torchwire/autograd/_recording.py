@@ -32,7 +32,11 @@ from ._context import container
 _anchor = torch.zeros((), requires_grad=True)
 
 # The local pass running on this thread: (context id, {(src rank, send id): grad}).
-_pass = threading.local()
+class _PassLocal(threading.local):
+    current = None  # the default, found without an AttributeError
+
+
+_pass = _PassLocal()
 
 
 class _Recv(torch.autograd.Function):

@@ -364,7 +364,11 @@ def remote(to, func, args=None, kwargs=None, timeout=UNSET_RPC_TIMEOUT) -> RRef:
     return _rref._require_ctx().remote(info, func, args, kwargs, timeout)
 
 
-_thread_local_var = threading.local()
+class _ThreadLocal(threading.local):
+    future_list = None  # the default, found without an AttributeError
+
+
+_thread_local_var = _ThreadLocal()
 
 
 @contextlib.contextmanager
