@@ -397,8 +397,10 @@ class RpcAgent:
             raise RpcStateError("RPC agent is shut down; call torchwire.rpc.init_rpc first")
         peer = to.id
         payload, tensors, sent = ser.dumps_to((func, args, kwargs), peer, True)
-        if len(payload) + (sum(t.nbytes for t in tensors) if tensors else 0) > \
-                self.max_message_size:
+        size = len(payload)
+        for t in tensors:
+            size += t.nbytes
+        if size > self.max_message_size:
             if sent is not None:
                 sent.abort()
             raise SerializationError(

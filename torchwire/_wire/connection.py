@@ -241,7 +241,9 @@ class Connection:
                 if self.cma_pid is not None:
                     return self._send_cma_frame(kind, flags, request_id, payload, tensors, lens)
             parts = [F.encode_header(kind, flags, request_id, len(payload), lens), payload]
-            parts.extend(byte_view(t, n) for t, n in zip(tensors, lens) if n)
+            for t, n in zip(tensors, lens):
+                if n:
+                    parts.append(byte_view(t, n))
             size = F.HEADER_SIZE + 8 * len(lens) + len(payload) + sum(lens)
         else:
             parts = [F.HEADER.pack(F.MAGIC, F.VERSION, kind, flags, request_id, len(payload),
@@ -731,7 +733,10 @@ class Connection:
                     self._defer(self.send_control, F.CTRL_PONG)
                 continue
             self.frames_in += 1
-            self.bytes_in += header_size + 8 * nbufs + plen + sum(n & F.LEN_MASK for n in lens)
+            size = header_size + 8 * nbufs + plen
+            for n in lens:
+                size += n & F.LEN_MASK
+            self.bytes_in += size
             if kind == F.K_GOODBYE:
                 self.goodbye_received = True
             frames.append((kind, flags, rid, payload, tensors))
@@ -753,8 +758,9 @@ class Connection:
         run = _InlineRun(self, requests)
         t0 = run.started
         _watchdog.begin(run, self._fast_runs >= _TRUST_AFTER)
-        _threads.set_io(False)
-        _threads.set_inline_run(run)
+        local = _threads._local  # (set_io / set_inline_run, without two calls each)
+        local.io = False
+        local.inline = run
         try:
             while True:
                 request = run.next()
@@ -767,8 +773,8 @@ class Connection:
                                   self.peer_rank)
                 request = None
         finally:
-            _threads.set_inline_run(None)
-            _threads.set_io(True)
+            local.inline = None
+            local.io = True
         handed = _watchdog.end(run)
         if handed or time.monotonic() - t0 >= _FAST_S:
             self._fast_runs = 0

@@ -147,7 +147,9 @@ def decode_buffer_lens(data, nbufs: int, payload_len: int,
                        max_message_size: int = DEFAULT_MAX_MESSAGE_SIZE) -> list[int]:
     """Parse the buffer-length table and check the frame's total size."""
     lens = list(struct.unpack_from(f"<{nbufs}Q", data)) if nbufs else []
-    total = payload_len + sum(n & LEN_MASK for n in lens)
+    total = payload_len
+    for n in lens:  # (no generator: this runs for every frame with tensors)
+        total += n & LEN_MASK
     if total > max_message_size:
         raise ProtocolError(f"frame of {total} bytes exceeds max message size {max_message_size}")
     return lens

@@ -78,7 +78,8 @@ def _leaves(outputs) -> list[tuple[torch.Tensor, object]]:
             if var is not _anchor:
                 leaves.append((var, node))
             continue
-        stack.extend(f for f, _ in node.next_functions)
+        for f, _ in node.next_functions:  # (a plain loop: no generator frames)
+            stack.append(f)
     return leaves
 
 
@@ -92,7 +93,7 @@ def _capture(state, leaf, captured: list):
     """A pre-hook for ``leaf``'s AccumulateGrad node in the pass ``state``: takes the
     gradient (after the leaf's own hooks) for the context and leaves ``.grad`` alone."""
     def hook(grad_inputs):
-        if getattr(_pass, "current", None) is not state:
+        if _pass.current is not state:
             return None  # another pass, or a plain backward(), through the same leaf
         if grad_inputs[0] is not None:
             captured.append((leaf, grad_inputs[0]))
@@ -112,8 +113,15 @@ def _engine_backward(outputs: list, grads: list, retain: bool, inputs: list) -> 
     checks cost ~70 µs a pass with the caches cold, as between messages, against
     ~10 µs hot.  The engine still validates each gradient against its output.
     Tensor subclasses (``__torch_function__``) take the public function."""
-    if _run_backward is not None and all(type(t) in _PLAIN for t in outputs) and \
-            all(type(t) in _PLAIN for t in inputs):
+    plain = _run_backward is not None
+    if plain:
+        for t in outputs:
+            if type(t) not in _PLAIN:
+                plain = False
+        for t in inputs:
+            if type(t) not in _PLAIN:
+                plain = False
+    if plain:
         _run_backward(tuple(outputs), tuple(grads), retain, False, tuple(inputs),
                       allow_unreachable=True, accumulate_grad=True)
     else:
@@ -131,35 +139,42 @@ def _local_pass(ctx: DistAutogradContext, outputs, grads, retain: bool) -> dict:
     the engine's device threads, where the running pass is not known): the same
     gradients, without the nodes' pre and post hooks.
     """
+    # Plain loops, not generator expressions: each element of one costs a frame
+    # resumption, microseconds with the caches cold (as between messages).
     inner, inner_grads = [], []
+    cpu, numel = True, 0
     for t, g in zip(outputs, grads):
-        if t.grad_fn is not None:
-            inner.append(t)
-            inner_grads.append(g)
-        elif t.requires_grad:  # a leaf sent as is
-            with torch.enable_grad():
-                inner.append(_Through.apply(t))
-            inner_grads.append(g)
+        if t.grad_fn is None:
+            if not t.requires_grad:
+                continue
+            with torch.enable_grad():  # a leaf sent as is
+                t = _Through.apply(t)
+        inner.append(t)
+        inner_grads.append(g)
+        cpu = cpu and t.is_cpu
+        numel += g.numel()
     if not inner:
         return {}
     leaves = _leaves(inner)
+    inputs = []
+    for leaf, _ in leaves:
+        inputs.append(leaf)
+        cpu = cpu and leaf.is_cpu
+        numel += leaf.numel()
     out: dict = {}
     captured: list = []
-    prev = getattr(_pass, "current", None)
+    prev = _pass.current
     state = _pass.current = (ctx.id, out)
     try:
-        if all(t.device.type == "cpu" for t in inner) and \
-                all(leaf.device.type == "cpu" for leaf, _ in leaves):
+        if cpu:
             # One such pass at a time (torch's engine runs them all on one thread too):
             # hooks added or removed while another pass runs the same node's hooks
             # could make it skip ours.
             with _hooked:
                 handles = [node.register_prehook(_capture(state, leaf, captured))
                            for leaf, node in leaves]
-                serial = _intraop.serial_for(
-                    sum(leaf.numel() for leaf, _ in leaves) + sum(g.numel() for g in inner_grads))
+                serial = _intraop.serial_for(numel)
                 try:
-                    inputs = [leaf for leaf, _ in leaves]
                     inputs.append(_anchor)
                     _engine_backward(inner, inner_grads, retain, inputs)
                 finally:
@@ -168,7 +183,7 @@ def _local_pass(ctx: DistAutogradContext, outputs, grads, retain: bool) -> dict:
                     for h in handles:
                         h.remove()
         else:
-            got = torch.autograd.grad(inner, [leaf for leaf, _ in leaves] + [_anchor],
+            got = torch.autograd.grad(inner, inputs + [_anchor],
                                       inner_grads, retain_graph=retain, allow_unused=True)
             captured = [(leaf, g) for (leaf, _), g in zip(leaves, got) if g is not None]
             del got

@@ -48,7 +48,7 @@ class _Recv(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        running = getattr(_pass, "current", None)
+        running = _pass.current
         tag = ctx.tag
         if running is not None and running[0] == tag[0]:
             out = running[1]
