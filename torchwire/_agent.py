@@ -738,13 +738,15 @@ class RpcAgent:
             payload, _, _ = ser.dumps_to(value, conn.peer_rank, False)
         except SerializationError:
             return False
-        if len(payload) > _NOWAIT_MAX or not send(
-                F.HEADER.pack(F.MAGIC, F.VERSION, F.K_RESPONSE, 0, rid, len(payload), 0, 0)
-                + payload):
+        if len(payload) > _NOWAIT_MAX:
+            return False
+        self._count_reply(1)
+        if not send(F.HEADER.pack(F.MAGIC, F.VERSION, F.K_RESPONSE, 0, rid, len(payload), 0,
+                                  0) + payload):
+            self._count_reply(-1)
             return False
         with self._stats_lock:
             self._replies_in_place += 1
-            self._replies_sent += 1
         return True
 
     def _reply_value(self, conn, rid: int, value) -> None:
@@ -756,16 +758,15 @@ class RpcAgent:
             self._reply_error(conn, rid, SerializationError(
                 f"the return value could not be serialized: {exc}"), "")
             return
+        self._count_reply(1)  # before the write: the caller may go on before it returns
         try:
             conn.send_frame(F.K_RESPONSE, 0, rid, payload, tensors)
         except ConnectionClosedError:
+            self._count_reply(-1)
             if sent is not None:
                 sent.abort()
             log.debug("torchwire: reply %d to rank %s dropped: connection closed", rid,
                       conn.peer_rank)
-            return
-        with self._stats_lock:
-            self._replies_sent += 1
 
     def _reply_error(self, conn, rid: int, exc: BaseException, tb: str) -> None:
         if rid == 0:
@@ -773,13 +774,16 @@ class RpcAgent:
                         conn.peer_rank, self.name, type(exc).__name__, exc, tb)
             return
         payload = ser.dumps_exception(exc, self._desc, tb)
+        self._count_reply(1)
         try:
             conn.send_frame(F.K_RESPONSE, F.F_ERROR, rid, payload)
         except ConnectionClosedError:
+            self._count_reply(-1)
             log.debug("torchwire: error reply %d dropped: connection closed", rid)
-            return
+
+    def _count_reply(self, n: int) -> None:
         with self._stats_lock:
-            self._replies_sent += 1
+            self._replies_sent += n
 
     # ------------------------------------------------------------------ connections
 

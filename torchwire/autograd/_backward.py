@@ -310,11 +310,14 @@ def _forward(c, ctx: DistAutogradContext, key: tuple, weight: int, outgoing: dic
     prev = ser.set_grad_context(None)  # control traffic of the pass, in no context
     try:
         for dest, share in shares:
+            # counted before it goes: the pass may end before the write returns
+            c.pass_messages += 1  # (racy by a count at worst, between threads)
             try:
                 agent.notify(agent.get_worker_info(dest), _backward_hop,
                              (ctx.id, key, share, by_dest[dest],
                               report if carried and dest == root else None))
             except Exception as exc:  # the worker is gone or cut off
+                c.pass_messages -= 1
                 if failure is None:
                     failure = _failure(dest, exc, "")
     finally:
@@ -333,9 +336,11 @@ def _report(c, key: tuple, report, failure) -> None:
         return
     agent = c.agent
     prev = ser.set_grad_context(None)
+    c.pass_messages += 1
     try:
         agent.notify(agent.get_worker_info(key[0]), _apply_report, (key, report, failure))
     except Exception as exc:  # the root is gone: nobody waits for this pass
+        c.pass_messages -= 1
         log.debug("torchwire: report of backward pass %s not sent: %s", key, exc)
     finally:
         ser.set_grad_context(prev)
@@ -521,7 +526,7 @@ def get_gradients(context_id: int) -> dict:
     """
     ctx = container().get(context_id)
     with ctx.lock:
-        return dict(ctx.grads)
+        return dict(ctx.grads.values())
 
 
 def rref_backward(rref, context_id: int, retain_graph: bool) -> None:

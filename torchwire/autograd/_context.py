@@ -50,7 +50,9 @@ class DistAutogradContext:
         self.id = context_id
         self.lock = threading.Lock()
         self.sends: dict[int, torch.Tensor] = {}
-        self.grads: dict[torch.Tensor, torch.Tensor] = {}
+        # id(leaf) -> (leaf, gradient): keyed by id, as Tensor.__hash__ is a Python call
+        # (two with its helper; microseconds with the caches cold)
+        self.grads: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.known: set[int] = set()
         self.recvs = 0
         # backward passes of other roots this worker sent gradients on in:
@@ -85,15 +87,16 @@ class DistAutogradContext:
         with self.lock:
             grads = self.grads
             for leaf, g in pairs:
-                old = grads.get(leaf)
+                key = id(leaf)  # the entry holds the leaf: the id stays its own
+                old = grads.get(key)
                 if old is not None:
-                    grads[leaf] = old + g
+                    grads[key] = (leaf, old[1] + g)
                 # 3 references: the pair, ``g`` and getrefcount's argument
                 elif sys.getrefcount(g) <= 3 and g._use_count() <= 1 and \
                         _keeps_layout(g, leaf):
-                    grads[leaf] = g
+                    grads[key] = (leaf, g)
                 else:
-                    grads[leaf] = _copy_for(g, leaf)
+                    grads[key] = (leaf, _copy_for(g, leaf))
 
     def __repr__(self) -> str:
         return (f"<DistAutogradContext id={self.id} (worker {self.id >> _ID_BITS}) "
@@ -153,6 +156,7 @@ class ContextContainer:
         # backward passes rooted here: (rank, serial) -> _backward._Pass
         self.passes: dict = {}
         self.pass_ids = itertools.count(1)
+        self.pass_messages = 0  # backward messages sent: gradients and separate reports
 
     def __repr__(self) -> str:
         return (f"<ContextContainer rank={self.rank} contexts={len(self._contexts)} "
@@ -287,6 +291,7 @@ class ContextContainer:
             "num_send_entries": sum(len(c.sends) for c in contexts),
             "num_recv_functions": sum(c.recvs for c in contexts),
             "num_tombstones": tombstones,
+            "num_backward_messages_sent": self.pass_messages,
         }
 
 

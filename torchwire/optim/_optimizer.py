@@ -33,13 +33,14 @@ class _LocalOptimizer:
 
     def step(self, context_id: int) -> None:
         ctx = _context.container().find(context_id)
-        grads = {} if ctx is None else ctx.grads
+        grads = {}
         with _LocalOptimizer.global_lock:
             if ctx is not None:
                 with ctx.lock:
-                    grads = dict(grads)
+                    grads = dict(ctx.grads)  # id(leaf) -> (leaf, gradient)
             for p in self._params:
-                p.grad = grads.get(p)
+                entry = grads.get(id(p))
+                p.grad = None if entry is None else entry[1]
             self.optim.step()
 
     def __repr__(self) -> str:
