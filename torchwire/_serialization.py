@@ -145,10 +145,19 @@ _MAX_SPAN_RATIO = 4
 def _rebuild_plain(index: int, dtype: torch.dtype, shape: tuple):
     """Rebuild for the fast path of ``_reduce_tensor``: one or two torch calls (each
     costs microseconds with cold caches, as between messages)."""
-    t = _typed(index, dtype)
-    if len(shape) != 1:  # a 1-D tensor already has its shape: raw is 1-D
-        t = t.view(shape)
-    hook = getattr(_tls, "recv_hook", None)
+    raw = _tls.tensors[index]
+    if type(raw) is bytearray:
+        t = torch.frombuffer(raw, dtype=dtype)
+        if len(shape) != 1:  # a 1-D tensor already has its shape
+            # shaped in place (same elements: the storage stays), not a view: a view
+            # costs autograd's view tracking, and a received tensor that is a view
+            # needs a detach() more (autograd's recv node marks it dirty)
+            t.resize_(shape)
+    else:
+        t = raw.view(dtype) if dtype is not torch.uint8 else raw
+        if len(shape) != 1:
+            t = t.view(shape)
+    hook = _tls.recv_hook
     return hook(t) if hook is not None else t
 
 
