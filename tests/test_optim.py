@@ -8,6 +8,7 @@ import time
 import pytest
 import torch
 import torch.nn as nn
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 import torchwire.autograd as dist_autograd
 import torchwire.rpc as rpc
@@ -119,6 +120,51 @@ def body_concurrent_steps():
 
 def test_concurrent_steps_are_serialized_per_worker(world):
     world.run(0, body_concurrent_steps)
+
+
+_hooked_steps: list = []
+_hook_handles: list = []
+
+
+def set_global_step_hook(on: bool) -> list:
+    """Register (or remove) a step post hook for every optimizer of this process;
+    returns the optimizer classes it saw step so far."""
+    if on:
+        _hook_handles.append(register_optimizer_step_post_hook(
+            lambda opt, args, kwargs: _hooked_steps.append(type(opt).__name__)))
+    else:
+        while _hook_handles:
+            _hook_handles.pop().remove()
+    return list(_hooked_steps)
+
+
+def body_global_step_hooks():
+    s1 = rpc.remote("worker1", make_stage, args=(3, 2, 43))
+    head = Stage(2, 1, 44)
+    opt = DistributedOptimizer(torch.optim.SGD, rpc.rpc_sync("worker1", param_rrefs,
+                                                             args=(s1,))
+                               + [RRef(p) for p in head.parameters()], lr=0.1)
+
+    def step():
+        with dist_autograd.context() as cid:
+            out = head(rpc.rpc_sync("worker1", stage_forward, args=(s1, torch.ones(1, 3))))
+            dist_autograd.backward(cid, [out.sum()])
+            opt.step(cid)
+    step()  # no hooks: the local optimizers step without torch's hook wrapper
+    seen = []
+    for on in (True, False):
+        set_global_step_hook(on)
+        rpc.rpc_sync("worker1", set_global_step_hook, args=(on,))
+        step()
+        seen.append((set_global_step_hook(on), rpc.rpc_sync("worker1", set_global_step_hook,
+                                                            args=(on,))))
+    return seen
+
+
+def test_optimizer_step_hooks_registered_for_all_optimizers_run(world):
+    # worker0's and worker1's local optimizers each stepped once while the hooks were
+    # there, and not again after they were removed
+    assert world.run(0, body_global_step_hooks) == [(["SGD"], ["SGD"]), (["SGD"], ["SGD"])]
 
 
 def body_step_errors():
