@@ -364,11 +364,8 @@ def remote(to, func, args=None, kwargs=None, timeout=UNSET_RPC_TIMEOUT) -> RRef:
     return _rref._require_ctx().remote(info, func, args, kwargs, timeout)
 
 
-class _ThreadLocal(threading.local):
-    future_list = None  # the default, found without an AttributeError
-
-
-_thread_local_var = _ThreadLocal()
+# torch's name; torch's tests check that ``future_list`` is gone after _wait_all
+_thread_local_var = threading.local()
 
 
 @contextlib.contextmanager
@@ -413,7 +410,8 @@ def rpc_async(to, func, args=None, kwargs=None, timeout=UNSET_RPC_TIMEOUT) -> Fu
         tensor([5., 5.])
     """
     fut = _invoke(to, func, args, kwargs, timeout)
-    collected = getattr(_thread_local_var, "future_list", None)
+    # (the thread's own dict: getattr() would raise and catch an AttributeError)
+    collected = _thread_local_var.__dict__.get("future_list")
     if collected is not None:
         collected.append(fut)
     return fut
