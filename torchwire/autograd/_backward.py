@@ -218,10 +218,9 @@ class _Pass:
     negative meanwhile, and the pass is over only when every entry is zero.
     """
 
-    __slots__ = ("key", "held", "failure", "done", "lock", "progress")
+    __slots__ = ("held", "failure", "done", "lock", "progress")
 
-    def __init__(self, key: tuple, root: int) -> None:
-        self.key = key
+    def __init__(self, root: int) -> None:
         self.held: dict[int, int] = {root: _WHOLE}
         self.failure: tuple | None = None
         self.done = threading.Event()
@@ -330,9 +329,7 @@ def _forward(c, ctx: DistAutogradContext, key: tuple, weight: int, outgoing: dic
 
 def _report(c, key: tuple, report, failure) -> None:
     if key[0] == c.rank:
-        rec = c.passes.get(key)
-        if rec is not None:
-            rec.move(report, failure, c.agent)
+        _move(c, key, report, failure)
         return
     agent = c.agent
     prev = ser.set_grad_context(None)
@@ -349,7 +346,11 @@ def _report(c, key: tuple, report, failure) -> None:
 def _apply_report(key: tuple, report, failure) -> None:
     """One-way request, on the root: a part of pass ``key`` moved its weight on,
     finished, or failed."""
-    c = container()
+    _move(container(), key, report, failure)
+
+
+def _move(c, key: tuple, report, failure) -> None:
+    """On the root: apply a report to pass ``key``; one for a finished pass is dropped."""
     rec = c.passes.get(key)
     if rec is not None:
         rec.move(report, failure, c.agent)
@@ -377,9 +378,7 @@ def _backward_hop(context_id: int, key: tuple, weight: int, items, report) -> No
     holding ``weight`` of it; ``report``: the sender's report, when this is the root."""
     c = container()
     if report is not None:
-        rec = c.passes.get(key)
-        if rec is not None:
-            rec.move(report, None, c.agent)
+        _move(c, key, report, None)
     try:
         ctx = c.get(context_id)
         with ctx.lock:
@@ -450,7 +449,7 @@ def backward(context_id: int, roots, retain_graph: bool = False) -> None:
     ctx = c.get(context_id)
     retain = bool(retain_graph) or bool(ctx.sends)
     key = (c.rank, next(c.pass_ids))
-    rec = c.passes[key] = _Pass(key, c.rank)
+    rec = c.passes[key] = _Pass(c.rank)
     try:
         _part(c, ctx, key, _WHOLE, roots, [torch.ones_like(r) for r in roots], retain)
         _wait(c, rec)
