@@ -298,7 +298,9 @@ def interleaved_main(lib, rank, port, cfg, cmd_q, res_q):
     """A process of a short latency round (see ``bench.run_interleaved``).
 
     worker0 answers ``("block", metric, n, warmup)`` commands with the sorted
-    per-call microseconds of ``n`` calls, until ``("stop",)``; worker1 serves.
+    per-call microseconds of ``n`` calls, and ``("mp", steps, warmup)`` with the
+    sorted milliseconds of ``steps`` model-parallel training steps, until
+    ``("stop",)``; worker1 serves.
     The parent runs one such pair at a time (a short round), then stops it.
     """
     bench_dir = os.path.dirname(os.path.abspath(__file__))
@@ -331,6 +333,10 @@ def interleaved_main(lib, rank, port, cfg, cmd_q, res_q):
                 cmd = cmd_q.get()
                 if cmd[0] == "stop":
                     break
+                if cmd[0] == "mp":  # model-parallel steps: sorted milliseconds
+                    _, steps, warmup = cmd
+                    res_q.put(("samples", lib, "mp_step", _mp_step_times(rpc, steps, warmup)))
+                    continue
                 _, metric, n, warmup = cmd
                 res_q.put(("samples", lib, metric, _latency(calls[metric], n, warmup)))
         rpc.shutdown()
