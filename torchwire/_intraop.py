@@ -78,3 +78,19 @@ def restore(saved: tuple) -> None:
     if mkl is not None:
         _mkl_local(mkl)  # 0: MKL's global setting again
     _omp.omp_set_num_threads(omp)
+
+
+def settle_thread_pool() -> None:
+    """Make torch's intra-op thread pool valid before torchwire starts its threads.
+
+    After a fork, torch marks its pthreadpool as one to replace; the first thread to
+    set a thread count replaces it.  Two threads doing that at once (each thread's
+    first parallel op does) race: one can find no pool and fail with "pool INTERNAL
+    ASSERT FAILED ... Invalid thread pool!" (a forked child whose 4 threads run
+    their first softmax together: 4 failures in 200 children; none once one thread
+    has set the count first).  Setting torch's own count again, here, on the thread
+    that initializes RPC, replaces it before any of torchwire's threads runs
+    user code; it changes no setting.
+    """
+    torch.set_num_threads(torch.get_num_threads())
+
