@@ -725,20 +725,21 @@ def test_remote_error_keeps_real_newlines(world):
 _fork = __import__("multiprocessing").get_context("fork")
 
 
-def _first_parallel_ops_together(q, settle):
-    # A forked child: torch marked its pthreadpool as one to replace, and each thread's
-    # first parallel op sets the thread count, which replaces it; threads that do so
-    # at once race.  Without settle_thread_pool first, 4 of 200 such children failed
-    # with "pool INTERNAL ASSERT FAILED ... Invalid thread pool!"; this test, with it
-    # made a no-op, failed in 4 runs of 4, and the end-to-end one below in 3 of 4 (and
-    # ./run compat in 2 of ~24 runs, in torch's reinforcement-learning example).
-    if settle:
-        from torchwire import _intraop
-        _intraop.settle_thread_pool()
+def _first_parallel_ops_together(q, init):
+    # A forked child of a process that set torch's thread count (conftest does): torch
+    # marked its pthreadpool as one to replace, and each thread's first parallel op
+    # replaces it; threads doing so at once race.  Threads that ran
+    # _intraop.init_thread() when they started (as torchwire's do) do not: with it
+    # made a no-op, this test failed in 4 runs of 4 ("pool INTERNAL ASSERT FAILED ...
+    # Invalid thread pool!"), the end-to-end one below in 3 of 4, and ./run compat
+    # in 2 of ~24 runs (torch's reinforcement-learning example).
+    from torchwire import _intraop
     errors = []
     start = threading.Barrier(6)
 
     def first_op():
+        if init:
+            _intraop.init_thread()
         start.wait()
         try:
             torch.randn(64, 100).softmax(1)
@@ -752,7 +753,7 @@ def _first_parallel_ops_together(q, settle):
     q.put(errors)
 
 
-def test_a_forked_process_settles_the_thread_pool_before_its_threads_use_it():
+def test_threads_that_init_at_start_never_race_for_torchs_thread_pool_after_fork():
     q = _fork.Queue()
     failures = []
     for _ in range(100):
@@ -776,7 +777,8 @@ def parallel_op_together(n):
 
 
 def test_concurrent_first_parallel_ops_on_a_forked_workers_threads_succeed():
-    # End to end: init_rpc settles the pool before the worker's threads run user code.
+    # End to end: each of torchwire's threads does torch's per-thread set-up as it
+    # starts, so requests' first parallel ops on a forked worker never race for it.
     def body(rank, world_size):
         if rank != 0:
             return None

@@ -80,17 +80,16 @@ def restore(saved: tuple) -> None:
     _omp.omp_set_num_threads(omp)
 
 
-def settle_thread_pool() -> None:
-    """Make torch's intra-op thread pool valid before torchwire starts its threads.
+def init_thread() -> None:
+    """torch's per-thread intra-op set-up, done when one of torchwire's threads starts.
 
-    After a fork, torch marks its pthreadpool as one to replace; the first thread to
-    set a thread count replaces it.  Two threads doing that at once (each thread's
-    first parallel op does) race: one can find no pool and fail with "pool INTERNAL
-    ASSERT FAILED ... Invalid thread pool!" (a forked child whose 4 threads run
-    their first softmax together: 4 failures in 200 children; none once one thread
-    has set the count first).  Setting torch's own count again, here, on the thread
-    that initializes RPC, replaces it before any of torchwire's threads runs
-    user code; it changes no setting.
+    Each thread's first parallel op (or ``get_num_threads``) sets the thread's count
+    from torch's; in a process forked after ``torch.set_num_threads``, that also
+    replaces torch's pthreadpool, which torch marked at the fork as one to replace.
+    Threads doing it at once race, and one can fail with "pool INTERNAL ASSERT
+    FAILED ... Invalid thread pool!" (a forked child whose 6 threads ran their first
+    softmax together: 171 failures in 200 children).  ``get_num_threads`` does the
+    set-up holding the GIL, so torchwire's threads do theirs one at a time (0 in
+    200), and it changes no setting.
     """
-    torch.set_num_threads(torch.get_num_threads())
-
+    torch.get_num_threads()

@@ -22,7 +22,7 @@ import logging
 import threading
 import time
 
-from . import _threads
+from . import _intraop, _threads
 
 log = logging.getLogger("torchwire")
 
@@ -95,6 +95,7 @@ class WorkerPool:
                 self._blocked -= 1
 
     def _run(self) -> None:
+        _intraop.init_thread()
         _threads.set_current_pool(self)
         queue, lock, stack = self._queue, self._lock, self._idle_stack
         waiter = threading.Lock()

@@ -29,7 +29,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 
-from .. import _threads
+from .. import _intraop, _threads
 from .._errors import ConnectionClosedError, ProtocolError
 from .._serialization import byte_view
 from . import cma, shm
@@ -497,6 +497,7 @@ class Connection:
         ``INLINE_MAX_S`` (the watchdog).  Requests that finish first, the usual
         case, cost no thread wake-up at all; after a hand-off this thread is done.
         """
+        _intraop.init_thread()  # requests may run here, in place
         _threads.set_io(True)
         try:
             self._read_until_closed()

@@ -12,7 +12,7 @@ import time
 
 import torch
 
-from .. import _devices, _intraop, _membership, _rref
+from .. import _devices, _membership, _rref
 from .. import _serialization as ser
 from .._agent import AgentState, RpcAgent
 from .._errors import RendezvousError, RpcStateError
@@ -142,7 +142,6 @@ def init_rpc(name, backend=None, rank=-1, world_size=None, rpc_backend_options=N
         if _agent is not None and _agent.state is not AgentState.CLOSED:
             raise RpcStateError("RPC is already initialized in this process; "
                                 "call torchwire.rpc.shutdown() first")
-        _intraop.settle_thread_pool()  # before any of our threads can run a torch op
         timeout = options.init_timeout or options.rpc_timeout or 60.0
         deadline = time.monotonic() + timeout  # one budget for the store and the join
         auth = JobAuth.from_options(options)  # bad TLS files fail here, before the store
