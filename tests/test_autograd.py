@@ -5,8 +5,11 @@ Gradients are checked against the same computation run in one process.
 
 from __future__ import annotations
 
+import logging
+import marshal
 import threading
 import time
+import traceback
 
 import pytest
 import torch
@@ -298,6 +301,121 @@ def test_a_pass_sends_one_message_per_hop_and_no_replies(world):
     # for replies would add four, written as the chain unwinds.)
     sent = world.run(0, body_cycle_messages, 3)
     assert sent == [((2, 0), (2, 0))] * 3, sent
+
+
+def count_plain_backward_messages():
+    """From now on, count the plain gradients and report messages this worker serves
+    (wrapping their handlers); returns the count so far."""
+    from torchwire import _serialization as ser
+    handlers = ser.PLAIN_HANDLERS
+    if not hasattr(count_plain_backward_messages, "n"):
+        count_plain_backward_messages.n = 0
+        for kind in (ser.PLAIN_GRADS, ser.PLAIN_REPORT):
+            def counted(src, payload, tensors, _inner=handlers[kind]):
+                count_plain_backward_messages.n += 1
+                return _inner(src, payload, tensors)
+            handlers[kind] = counted
+    return count_plain_backward_messages.n
+
+
+def _plain_served():
+    return count_plain_backward_messages(), rpc.rpc_sync("worker1",
+                                                         count_plain_backward_messages)
+
+
+def body_cycle_plain(n):
+    """The cycle A -> B -> A, backward n times: how many of each worker's incoming
+    backward messages were served without unpickling."""
+    a = torch.rand(4, requires_grad=True)
+    w = torch.rand(4, requires_grad=True)
+    served = []
+    for _ in range(n):
+        with dist_autograd.context() as cid:
+            z = rpc.rpc_sync("worker1", call_back, args=("worker0", a * 2, w))
+            before = _plain_served()
+            dist_autograd.backward(cid, [(z * z).sum()])
+            after = _plain_served()
+            assert w in dist_autograd.get_gradients(cid)
+        served.append((after[0] - before[0], after[1] - before[1]))
+    return served
+
+
+def test_dense_gradients_travel_plain_not_pickled(world):
+    # Each of the pass's two messages to each worker (gradients, B's report riding on
+    # its gradients) is a plain message: marshalled ints and raw tensor buffers.
+    assert world.run(0, body_cycle_plain, 3) == [(2, 2)] * 3
+
+
+def sparse_rows(w, idx):
+    return torch.nn.functional.embedding(idx, w, sparse=True).sum(0)
+
+
+def body_sparse_hop():
+    """worker1's part sends worker0 a sparse gradient (for ``w``): that message is
+    pickled; the dense one to worker1 is plain.  Gradients as in one process."""
+    w = torch.randn(10, 3, requires_grad=True)
+    idx = torch.tensor([1, 2, 2, 7])
+    scale = torch.tensor([1.0, -2.0, 3.0])
+    with dist_autograd.context() as cid:
+        out = rpc.rpc_sync("worker1", sparse_rows, args=(w, idx))
+        before = _plain_served()
+        dist_autograd.backward(cid, [(out * scale).sum()])
+        after = _plain_served()
+        got = dist_autograd.get_gradients(cid)[w]
+    local = w.detach().clone().requires_grad_(True)
+    (sparse_rows(local, idx) * scale).sum().backward()
+    assert got.is_sparse
+    torch.testing.assert_close(got.to_dense(), local.grad.to_dense())
+    return after[0] - before[0], after[1] - before[1]
+
+
+def test_a_sparse_gradient_is_pickled_and_arrives_sparse(world):
+    assert world.run(0, body_sparse_hop) == (0, 1)
+
+
+class _Captured(logging.Handler):
+    records: list = []
+
+    def emit(self, record):
+        _Captured.records.append(record.getMessage() + "\n" + (
+            "".join(traceback.format_exception(*record.exc_info)) if record.exc_info else ""))
+
+
+def capture_torchwire_log(on: bool):
+    logger = logging.getLogger("torchwire")
+    for h in [h for h in logger.handlers if isinstance(h, _Captured)]:
+        logger.removeHandler(h)
+    out, _Captured.records = _Captured.records, []
+    if on:
+        logger.addHandler(_Captured())
+    return out
+
+
+def body_malformed_plain_messages():
+    """Broken internal messages to worker1 are logged there, and it keeps serving."""
+    from torchwire import _serialization as ser
+    agent = rpc.api._agent
+    rpc.rpc_sync("worker1", capture_torchwire_log, args=(True,))
+    try:
+        agent.notify_plain(1, bytes([250]))  # a kind nobody registered
+        agent.notify_plain(1, bytes([ser.PLAIN_GRADS]) + b"\x00not marshal")
+        # a shape that does not fit its buffer
+        agent.notify_plain(1, bytes([ser.PLAIN_GRADS]) + marshal.dumps(
+            (1, (0, 1), 1, [(5, 0, (100,))], None)), [torch.zeros(3)])
+        agent.notify_plain(1, bytes([ser.PLAIN_RELEASE]) + marshal.dumps("no id"))
+        assert rpc.rpc_sync("worker1", add, args=(torch.ones(2), torch.ones(2))).tolist() \
+            == [2.0, 2.0]
+    finally:
+        logged = rpc.rpc_sync("worker1", capture_torchwire_log, args=(False,))
+    failed = [m for m in logged if "internal message from worker0 failed" in m]
+    assert len(failed) == 4, logged
+    assert "unknown internal message kind 250" in failed[0]
+    assert "malformed tensor in an internal message" in failed[2]
+    assert "malformed context release" in failed[3]
+
+
+def test_malformed_internal_messages_are_logged_and_the_worker_keeps_serving(world):
+    world.run(0, body_malformed_plain_messages)
 
 
 def backward_inside(to):

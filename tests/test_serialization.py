@@ -10,6 +10,7 @@ and the frame codec underneath.
 
 from __future__ import annotations
 
+import math
 import socket
 import struct
 import subprocess
@@ -26,6 +27,7 @@ import torch
 import torchwire
 import torchwire.rpc as rpc
 from _cluster import run_world
+from torchwire import _serialization as ser
 from torchwire._serialization import byte_view, dumps, loads, tensor_nbytes
 from torchwire._wire import frame as F
 from torchwire._wire.connection import Connection
@@ -593,7 +595,7 @@ def test_header_round_trip(kind, lens):
 def test_header_layout_is_little_endian_and_fixed():
     data = F.encode_header(F.K_REQUEST, 0, 0x0102030405060708, 0x11, [0x22])
     assert F.HEADER_SIZE == 32
-    assert data[:4] == b"TW\x04\x03"  # magic, version 4, kind REQUEST
+    assert data[:4] == b"TW\x05\x03"  # magic, version 5, kind REQUEST
     assert struct.unpack_from("<I", data, 4)[0] == 0  # flags
     assert struct.unpack_from("<Q", data, 8)[0] == 0x0102030405060708
     assert struct.unpack_from("<Q", data, 16)[0] == 0x11  # payload length
@@ -601,7 +603,7 @@ def test_header_layout_is_little_endian_and_fixed():
     assert struct.unpack_from("<Q", data, 32)[0] == 0x22  # first buffer length
     assert [int(k) for k in F.Kind] == [1, 2, 3, 4, 5, 6, 7, 8, 9]
     assert [int(op) for op in F.ControlOp] == [1, 2]
-    assert (F.F_ERROR, F.F_CMA, F.F_SHM, F.F_RETIRE) == (1, 2, 4, 8)
+    assert (F.F_ERROR, F.F_CMA, F.F_SHM, F.F_RETIRE, F.F_PLAIN) == (1, 2, 4, 8, 16)
 
 
 def test_wrong_magic_is_protocol_error():
@@ -612,7 +614,7 @@ def test_wrong_magic_is_protocol_error():
         F.decode_header(b"GET / HTTP/1.1\r\nHost: example\r\n\r\n")
 
 
-@pytest.mark.parametrize("version", [0, 1, 2, 3, 5, 255])
+@pytest.mark.parametrize("version", [0, 1, 2, 3, 4, 6, 255])
 def test_wrong_version_is_protocol_error(version):
     data = bytearray(F.encode_header(F.K_REQUEST, 0, 1, 0, []))
     data[2] = version
@@ -835,3 +837,33 @@ def test_non_contiguous_view_keeps_its_strides_and_sends_its_span_only():
     assert sum(t.numel() * t.element_size() for t in table) == 100 * 4
     got = loads(payload, [t.reshape(-1).view(torch.uint8).clone() for t in table])
     assert torch.equal(got, sparse)
+
+
+# ---------------------------------------------------------------- plain messages' tensors
+
+@pytest.mark.parametrize("dtype", list(ser._PLAIN_DTYPES))
+@pytest.mark.parametrize("shape", [(0,), (5,), (2, 3), (1, 0, 4), ()])
+def test_plain_tensors_round_trip_from_either_kind_of_buffer(dtype, shape):
+    t = (torch.arange(math.prod(shape)) % 7).to(dtype).reshape(shape)
+    code, got_shape = ser.plain_meta(t)
+    raw = t.reshape(-1).view(torch.uint8)
+    for buf in (bytearray(raw.numpy().tobytes()), raw.clone()):  # reader: small / pooled
+        back = ser.plain_tensor(buf, code, got_shape)
+        assert back.dtype == dtype and back.shape == t.shape
+        assert torch.equal(back, t)
+
+
+def test_tensors_that_need_pickling_have_no_plain_form():
+    dense = torch.ones(4, 4)
+    assert ser.plain_meta(dense) is not None
+    for t in (dense.t(), dense.to_sparse(), torch.ones(3, requires_grad=True),
+              torch.nn.Parameter(torch.ones(2)), torch.ones(2, dtype=torch.complex64).conj()):
+        assert ser.plain_meta(t) is None, t
+
+
+@pytest.mark.parametrize("code, shape", [(0, (4,)), (0, (2, 2, 2)), (1, (3,)), (0, (-3,)),
+                                         (99, (3,)), (0, "xyz")])
+def test_a_plain_description_that_does_not_fit_its_buffer_is_a_protocol_error(code, shape):
+    buf = bytearray(12)  # three float32
+    with pytest.raises(torchwire.ProtocolError, match="malformed tensor"):
+        ser.plain_tensor(buf, code, shape)

@@ -21,13 +21,14 @@ from __future__ import annotations
 import ctypes
 import importlib
 import io
+import math
 import pickle
 import threading
 from typing import Any, Callable
 
 import torch
 
-from ._errors import RemoteError, SerializationError
+from ._errors import ProtocolError, RemoteError, SerializationError
 
 _PROTOCOL = pickle.HIGHEST_PROTOCOL
 class _Tls(threading.local):
@@ -145,7 +146,14 @@ _MAX_SPAN_RATIO = 4
 def _rebuild_plain(index: int, dtype: torch.dtype, shape: tuple):
     """Rebuild for the fast path of ``_reduce_tensor``: one or two torch calls (each
     costs microseconds with cold caches, as between messages)."""
-    raw = _tls.tensors[index]
+    t = _shaped(_tls.tensors[index], dtype, shape)
+    hook = _tls.recv_hook
+    return hook(t) if hook is not None else t
+
+
+def _shaped(raw, dtype: torch.dtype, shape: tuple) -> torch.Tensor:
+    """A received buffer (bytearray or ``uint8`` tensor) as a tensor of ``dtype`` and
+    ``shape``."""
     if type(raw) is bytearray:
         t = torch.frombuffer(raw, dtype=dtype)
         if len(shape) != 1:  # a 1-D tensor already has its shape
@@ -157,8 +165,54 @@ def _rebuild_plain(index: int, dtype: torch.dtype, shape: tuple):
         t = raw.view(dtype) if dtype is not torch.uint8 else raw
         if len(shape) != 1:
             t = t.view(shape)
-    hook = _tls.recv_hook
-    return hook(t) if hook is not None else t
+    return t
+
+
+# Internal messages that are not pickled (``RpcAgent.notify_plain``).  Their handlers by
+# first payload byte, ``handler(src_rank, payload, tensors)``, registered by the modules
+# that send them when imported (a worker gets one only from a peer whose messages of
+# that module reached it first); the dtypes of their tensors by number.
+PLAIN_HANDLERS: dict[int, Callable] = {}
+# Their kinds (first byte), part of the wire format: the distributed backward pass's
+# gradients and reports, and the release of an autograd context.
+PLAIN_GRADS, PLAIN_REPORT, PLAIN_RELEASE = 1, 2, 3
+
+_PLAIN_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16,
+                 torch.complex64, torch.complex128, torch.int64, torch.int32, torch.int16,
+                 torch.int8, torch.uint8, torch.bool)
+_PLAIN_CODES = {d: i for i, d in enumerate(_PLAIN_DTYPES)}
+
+
+def plain_meta(t) -> tuple | None:
+    """``(dtype number, shape)`` of a tensor that an internal message can carry as its
+    raw bytes (a plain, dense, contiguous CPU tensor that needs no autograd), else
+    None (it must be pickled)."""
+    if (type(t) is torch.Tensor and t.layout is torch.strided and t.is_cpu
+            and not t.requires_grad and t.is_contiguous()
+            and not (t.is_conj() or t.is_neg())):
+        code = _PLAIN_CODES.get(t.dtype)
+        if code is not None:
+            return code, tuple(t.shape)
+    return None
+
+
+def plain_tensor(raw, code: int, shape) -> torch.Tensor:
+    """Inverse of :func:`plain_meta` for a received buffer.
+
+    Raises:
+        ProtocolError: the description does not fit the buffer.
+    """
+    try:
+        dtype = _PLAIN_DTYPES[code]
+        shape = tuple(shape)
+        size = len(raw) if type(raw) is bytearray else raw.numel()
+        if math.prod(shape) * dtype.itemsize != size or min(shape, default=0) < 0:
+            raise ValueError(f"shape {shape} of {dtype} in a buffer of {size} bytes")
+        if not size:
+            return torch.empty(shape, dtype=dtype)
+        return _shaped(raw, dtype, shape)
+    except (IndexError, TypeError, ValueError, RuntimeError) as exc:
+        raise ProtocolError(f"malformed tensor in an internal message: {exc}") from None
 
 
 def _span(t: torch.Tensor) -> int | None:

@@ -29,7 +29,8 @@ MAGIC = b"TW"
 # 3: CONTROL frames carry the heartbeat (PING / PONG, see _liveness.py).
 # 4: shared-memory buffers (SHM_BIT, SHM_REF; RELEASE with the SHM flag); TCP lanes
 #    (LANE_BIT, LANE_REF, DATA frames).
-VERSION = 4
+# 5: PLAIN requests (internal one-way messages in a fixed layout, not pickled).
+VERSION = 5
 
 HEADER = struct.Struct("<2sBBIQQII")
 HEADER_SIZE = HEADER.size  # 32
@@ -69,6 +70,8 @@ class Flags(enum.IntFlag):
     CMA = 2  # some buffers stay in the sender's memory: see REMOTE_BIT
     SHM = 4  # RELEASE: of a shared-memory segment, not of a CMA token
     RETIRE = 8  # RELEASE (SHM): a process the receiver forked may still map the segment
+    PLAIN = 16  # REQUEST (one-way only): the payload is not a pickle stream but an
+    #             internal message, its first byte the handler (see RpcAgent.notify_plain)
 
 
 # Plain ints for the hot path (enum attribute access costs a dict lookup).
@@ -87,6 +90,7 @@ F_ERROR = int(Flags.ERROR)
 F_CMA = int(Flags.CMA)
 F_SHM = int(Flags.SHM)
 F_RETIRE = int(Flags.RETIRE)
+F_PLAIN = int(Flags.PLAIN)
 # In a CMA frame, a buffer length with this bit set is a buffer the receiver reads
 # from the sender's memory; the stream then carries 16 bytes instead of the
 # buffer: its address and the frame's release token (both u64).

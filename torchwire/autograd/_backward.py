@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import marshal
 import threading
 import time
 import traceback
@@ -43,7 +44,7 @@ import torch
 
 from .. import _serialization as ser
 from .. import _intraop, _threads
-from .._errors import RemoteError, RpcTimeoutError, WorkerUnavailableError
+from .._errors import ProtocolError, RemoteError, RpcTimeoutError, WorkerUnavailableError
 from ._context import DistAutogradContext, container
 from ._recording import _anchor, _pass
 
@@ -312,9 +313,8 @@ def _forward(c, ctx: DistAutogradContext, key: tuple, weight: int, outgoing: dic
             # counted before it goes: the pass may end before the write returns
             c.pass_messages += 1  # (racy by a count at worst, between threads)
             try:
-                agent.notify(agent.get_worker_info(dest), _backward_hop,
-                             (ctx.id, key, share, by_dest[dest],
-                              report if carried and dest == root else None))
+                _send_grads(agent, dest, ctx.id, key, share, by_dest[dest],
+                            report if carried and dest == root else None)
             except Exception as exc:  # the worker is gone or cut off
                 c.pass_messages -= 1
                 if failure is None:
@@ -335,12 +335,59 @@ def _report(c, key: tuple, report, failure) -> None:
     prev = ser.set_grad_context(None)
     c.pass_messages += 1
     try:
-        agent.notify(agent.get_worker_info(key[0]), _apply_report, (key, report, failure))
+        try:
+            payload = _REPORT_BYTE + marshal.dumps((key, report, failure))
+        except ValueError:  # (not expected: ints and strings)
+            agent.notify(agent.get_worker_info(key[0]), _apply_report, (key, report, failure))
+        else:
+            agent.notify_plain(key[0], payload)
     except Exception as exc:  # the root is gone: nobody waits for this pass
         c.pass_messages -= 1
         log.debug("torchwire: report of backward pass %s not sent: %s", key, exc)
     finally:
         ser.set_grad_context(prev)
+
+
+# The pass's messages are plain (not pickled, ``RpcAgent.notify_plain``): a marshal of
+# ints (and a failure's strings), and the gradients as the message's buffers.
+_GRADS_BYTE = bytes([ser.PLAIN_GRADS])
+_REPORT_BYTE = bytes([ser.PLAIN_REPORT])
+
+
+def _send_grads(agent, dest: int, context_id: int, key: tuple, weight: int, items,
+                report) -> None:
+    """``_backward_hop(context_id, key, weight, items, report)`` on worker ``dest``:
+    plain when every gradient can go as is, else pickled (sparse, on a device...)."""
+    metas = []
+    for sid, g in items:
+        meta = ser.plain_meta(g)
+        if meta is None:
+            agent.notify(agent.get_worker_info(dest), _backward_hop,
+                         (context_id, key, weight, items, report))
+            return
+        metas.append((sid, meta[0], meta[1]))
+    agent.notify_plain(dest, _GRADS_BYTE + marshal.dumps((context_id, key, weight, metas,
+                                                          report)),
+                       [g for _, g in items])
+
+
+def _on_grads(src: int, payload: bytes, tensors) -> None:
+    context_id, key, weight, metas, report = marshal.loads(memoryview(payload)[1:])
+    if len(metas) != len(tensors):
+        raise ProtocolError(f"gradients message with {len(metas)} entries and "
+                                f"{len(tensors)} buffers")
+    items = [(sid, ser.plain_tensor(raw, code, shape))
+             for (sid, code, shape), raw in zip(metas, tensors)]
+    _backward_hop(context_id, key, weight, items, report)
+
+
+def _on_report(src: int, payload: bytes, tensors) -> None:
+    key, report, failure = marshal.loads(memoryview(payload)[1:])
+    _apply_report(key, report, failure)
+
+
+ser.PLAIN_HANDLERS[ser.PLAIN_GRADS] = _on_grads
+ser.PLAIN_HANDLERS[ser.PLAIN_REPORT] = _on_report
 
 
 def _apply_report(key: tuple, report, failure) -> None:

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import marshal
 import sys
 import threading
 
@@ -33,6 +34,7 @@ import torch
 import torch._prims_common as _prims
 
 from .. import _serialization as ser
+from .._errors import ProtocolError
 
 log = logging.getLogger("torchwire")
 
@@ -224,8 +226,10 @@ class ContextContainer:
 
     # ------------------------------------------------------------------ release
 
-    def release(self, context_id: int, forward: bool = True) -> DistAutogradContext | None:
-        """Drop the record of ``context_id`` here; tell the workers it reached."""
+    def release(self, context_id: int, forward: bool = True,
+                source: int | None = None) -> DistAutogradContext | None:
+        """Drop the record of ``context_id`` here; tell the workers it reached, but
+        ``source``, the worker whose release this is (it has dropped its record)."""
         with self._lock:
             ctx = self._contexts.pop(context_id, None)
             if context_id >> _ID_BITS != self.rank:
@@ -234,13 +238,13 @@ class ContextContainer:
                     self._tombstones.pop(next(iter(self._tombstones)))
         if ctx is not None and forward:
             with ctx.lock:
-                known = sorted(ctx.known)
+                known = sorted(ctx.known - {source})
+            payload = _RELEASE_BYTE + marshal.dumps(context_id)
             prev = ser.set_grad_context(None)  # a control message, in no context
             try:
                 for rank in known:
                     try:
-                        self.agent.notify(self.agent.get_worker_info(rank), _release_remote,
-                                          (context_id,))
+                        self.agent.notify_plain(rank, payload)
                     except Exception as exc:  # the worker is gone: nothing left to free
                         log.debug("torchwire: release of autograd context %d on rank %d not "
                                   "sent: %s", context_id, rank, exc)
@@ -339,6 +343,15 @@ def _new_container(agent) -> ContextContainer:
         return c
 
 
-def _release_remote(context_id: int) -> None:
-    """One-way message: the context ended on the worker that sent it here."""
-    container().release(context_id)
+_RELEASE_BYTE = bytes([ser.PLAIN_RELEASE])
+
+
+def _on_release(src: int, payload: bytes, tensors) -> None:
+    """Plain message: the context ended on the worker that sent it here."""
+    context_id = marshal.loads(memoryview(payload)[1:])
+    if type(context_id) is not int:
+        raise ProtocolError(f"malformed context release from rank {src}")
+    container().release(context_id, source=src)
+
+
+ser.PLAIN_HANDLERS[ser.PLAIN_RELEASE] = _on_release
