@@ -346,6 +346,27 @@ def test_dense_gradients_travel_plain_not_pickled(world):
     assert world.run(0, body_cycle_plain, 3) == [(2, 2)] * 3
 
 
+def body_context_reply_plain():
+    """A reply tensor that requires grad comes back plain, through a recv node."""
+    from test_rpc import count_plain_replies
+    a = torch.rand(3, requires_grad=True)
+    b = torch.rand(3, requires_grad=True)
+    with dist_autograd.context() as cid:
+        before = count_plain_replies()
+        z = rpc.rpc_sync("worker1", mul, args=(a, b))
+        plain = count_plain_replies() - before
+        assert z.requires_grad and z.grad_fn is not None
+        dist_autograd.backward(cid, [(z * z).sum()])
+        grads = dist_autograd.get_gradients(cid)
+    torch.testing.assert_close(grads[a], 2 * (a * b).detach() * b.detach())
+    torch.testing.assert_close(grads[b], 2 * (a * b).detach() * a.detach())
+    return plain
+
+
+def test_a_reply_that_requires_grad_comes_back_plain(world):
+    assert world.run(0, body_context_reply_plain) == 1
+
+
 def sparse_rows(w, idx):
     return torch.nn.functional.embedding(idx, w, sparse=True).sum(0)
 

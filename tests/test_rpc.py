@@ -242,6 +242,77 @@ def test_unpicklable_return_value_is_an_error_and_callee_keeps_serving(world):
     assert world.run(0, body_unpicklable_return) == 42
 
 
+def count_plain_replies():
+    """From now on, count the plain replies this worker decodes (wrapping the
+    decoder); returns the count so far."""
+    from torchwire import _serialization as ser
+    if not hasattr(count_plain_replies, "n"):
+        count_plain_replies.n = 0
+        inner = ser.plain_value
+
+        def counted(payload, tensors):
+            count_plain_replies.n += 1
+            return inner(payload, tensors)
+        ser.plain_value = counted
+    return count_plain_replies.n
+
+
+def identity(x):
+    return x
+
+
+def body_plain_replies():
+    """Which return values come back without pickling, and that each arrives as it
+    left: (value, went plain)."""
+    out = []
+    values = [None, torch.arange(6.0).reshape(2, 3), torch.empty(0, 4, dtype=torch.int64),
+              torch.tensor(True), torch.arange(12).reshape(3, 4).t(),  # not contiguous
+              [torch.ones(2)], 7, torch.nn.Parameter(torch.ones(2)),
+              torch.ones(3, requires_grad=True)]
+    for v in values:
+        before = count_plain_replies()
+        got = rpc.rpc_sync("worker1", identity, args=(v,))
+        plain = count_plain_replies() - before
+        if isinstance(v, torch.Tensor):
+            assert type(got) is type(v) and got.dtype == v.dtype and torch.equal(got, v)
+            assert got.requires_grad == v.requires_grad
+        elif isinstance(v, list):
+            assert torch.equal(got[0], v[0])
+        else:
+            assert got == v
+        out.append(plain)
+    return out
+
+
+def test_none_and_plain_tensors_are_replied_without_pickling(world):
+    assert world.run(0, body_plain_replies) == [1, 1, 1, 1, 0, 0, 0, 0, 0]
+
+
+def break_plain_replies(on: bool):
+    from torchwire import _serialization as ser
+    if on:
+        break_plain_replies.saved = ser.plain_reply
+        ser.plain_reply = lambda value: (bytes([99]), []) if value is None else None
+    else:
+        ser.plain_reply = break_plain_replies.saved
+    return on  # (not None: this reply is pickled, the broken encoder leaves it alone)
+
+
+def body_malformed_plain_reply():
+    rpc.rpc_sync("worker1", break_plain_replies, args=(True,))
+    try:
+        with pytest.raises(torchwire.SerializationError,
+                           match="cannot decode the reply from worker1: unknown plain reply"):
+            rpc.rpc_sync("worker1", identity, args=(None,))
+        return rpc.rpc_sync("worker1", add, args=(20, 22))
+    finally:
+        rpc.rpc_sync("worker1", break_plain_replies, args=(False,))
+
+
+def test_a_malformed_plain_reply_fails_its_call_and_the_caller_keeps_serving(world):
+    assert world.run(0, body_malformed_plain_reply) == 42
+
+
 def body_bad_calls():
     errors = {}
     for key, call in {

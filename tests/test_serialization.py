@@ -867,3 +867,19 @@ def test_a_plain_description_that_does_not_fit_its_buffer_is_a_protocol_error(co
     buf = bytearray(12)  # three float32
     with pytest.raises(torchwire.ProtocolError, match="malformed tensor"):
         ser.plain_tensor(buf, code, shape)
+
+
+def test_plain_replies_round_trip_and_others_are_left_to_pickle():
+    for v in (None, torch.arange(5.0), torch.zeros(2, 0), torch.tensor(3)):
+        payload, tensors = ser.plain_reply(v)
+        bufs = [bytearray(byte_view(t, t.nbytes)) if t.nbytes else torch.empty(0, dtype=torch.uint8)
+                for t in tensors]
+        back = ser.plain_value(payload, bufs)
+        assert (back is None and v is None) or torch.equal(back, v)
+    for v in (1, "x", [torch.ones(1)], torch.ones(2, requires_grad=True), torch.ones(3, 3).t(),
+              torch.nn.Parameter(torch.ones(1)), torch.ones(2).to_sparse()):
+        assert ser.plain_reply(v) is None, v
+    for payload, tensors in ((b"", []), (bytes([99]), []), (bytes([ser.PLAIN_TENSOR]), []),
+                             (bytes([ser.PLAIN_TENSOR]) + b"\x07", [bytearray(4)])):
+        with pytest.raises(torchwire.ProtocolError):
+            ser.plain_value(payload, tensors)

@@ -672,6 +672,12 @@ class RpcAgent:
         # fork messages) is then visible to shutdown's termination detection.
         if flags & F.F_ERROR:
             value, error = None, ser.loads_exception(payload)
+        elif flags & F.F_PLAIN:
+            try:
+                value, error = ser.plain_value(payload, tensors), None
+            except ProtocolError as exc:
+                value, error = None, SerializationError(
+                    f"cannot decode the reply from {self._name_of(entry[2])}: {exc}")
         else:
             try:
                 value, error = ser.loads(payload, tensors), None
@@ -785,15 +791,21 @@ class RpcAgent:
     def _reply_value(self, conn, rid: int, value) -> None:
         if rid == 0:
             return  # one-way request (notify)
+        flags, sent = F.F_PLAIN, None
         try:
-            payload, tensors, sent = ser.dumps_to(value, conn.peer_rank, False)
+            plain = ser.plain_reply(value)
+            if plain is None:
+                flags = 0
+                payload, tensors, sent = ser.dumps_to(value, conn.peer_rank, False)
+            else:
+                payload, tensors = plain
         except SerializationError as exc:
             self._reply_error(conn, rid, SerializationError(
                 f"the return value could not be serialized: {exc}"), "")
             return
         self._count_reply(1)  # before the write: the caller may go on before it returns
         try:
-            conn.send_frame(F.K_RESPONSE, 0, rid, payload, tensors)
+            conn.send_frame(F.K_RESPONSE, flags, rid, payload, tensors)
         except ConnectionClosedError:
             self._count_reply(-1)
             if sent is not None:

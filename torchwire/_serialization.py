@@ -21,6 +21,7 @@ from __future__ import annotations
 import ctypes
 import importlib
 import io
+import marshal
 import math
 import pickle
 import threading
@@ -176,6 +177,11 @@ PLAIN_HANDLERS: dict[int, Callable] = {}
 # Their kinds (first byte), part of the wire format: the distributed backward pass's
 # gradients and reports, and the release of an autograd context.
 PLAIN_GRADS, PLAIN_REPORT, PLAIN_RELEASE = 1, 2, 3
+# Replies can be plain too (a RESPONSE with the PLAIN flag, see :func:`plain_reply`):
+# None, a plain tensor, and (distributed autograd's) a tensor of a context's reply,
+# decoded by ``PLAIN_VALUES[kind](payload, tensors)``.
+PLAIN_NONE, PLAIN_TENSOR, PLAIN_RECV = 4, 5, 6
+PLAIN_VALUES: dict[int, Callable] = {}
 
 _PLAIN_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16,
                  torch.complex64, torch.complex128, torch.int64, torch.int32, torch.int16,
@@ -194,6 +200,48 @@ def plain_meta(t) -> tuple | None:
         if code is not None:
             return code, tuple(t.shape)
     return None
+
+
+_NONE_REPLY = bytes([PLAIN_NONE])
+_TENSOR_REPLY = bytes([PLAIN_TENSOR])
+
+
+def plain_reply(value) -> tuple[bytes, list] | None:
+    """``(payload, tensors)`` of a reply ``value`` that needs no pickling (None, a
+    plain tensor, or what the grad hook takes: a tensor replied in an autograd
+    context), else None.  Pickling and unpickling even a small tensor costs ~50 µs
+    with the caches cold (as between messages); this ~15."""
+    if value is None:
+        return _NONE_REPLY, []
+    if type(value) is torch.Tensor:
+        meta = plain_meta(value)
+        return None if meta is None else (_TENSOR_REPLY + marshal.dumps(meta), [value])
+    if _grad_hook is not None:
+        return _grad_hook.plain_reply(value)
+    return None
+
+
+def plain_value(payload, tensors) -> Any:
+    """Inverse of :func:`plain_reply`.
+
+    Raises:
+        ProtocolError: a malformed or unknown plain reply.
+    """
+    kind = payload[0] if payload else None
+    if kind == PLAIN_NONE:
+        return None
+    if kind == PLAIN_TENSOR:
+        try:
+            code, shape = marshal.loads(memoryview(payload)[1:])
+        except (EOFError, ValueError, TypeError) as exc:
+            raise ProtocolError(f"malformed plain reply: {exc}") from None
+        if len(tensors) != 1:
+            raise ProtocolError(f"plain tensor reply with {len(tensors)} buffers")
+        return plain_tensor(tensors[0], code, shape)
+    decode = PLAIN_VALUES.get(kind)
+    if decode is None:
+        raise ProtocolError(f"unknown plain reply kind {kind}")
+    return decode(payload, tensors)
 
 
 def plain_tensor(raw, code: int, shape) -> torch.Tensor:

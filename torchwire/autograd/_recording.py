@@ -19,11 +19,13 @@ Installed into the serialization layer as its grad hook (``ser.set_grad_hook``):
 
 from __future__ import annotations
 
+import marshal
 import threading
 
 import torch
 
 from .. import _serialization as ser
+from .._errors import ProtocolError
 from .._future import Deferred, Future
 from ._context import container
 
@@ -157,10 +159,42 @@ class _GradHook:
         return _InContext(cid, func), args, kwargs
 
     @staticmethod
+    def plain_reply(value):
+        """``ser.plain_reply`` of a reply in a context: a tensor (one that requires grad
+        is recorded as a send entry and arrives through a recv node), or None."""
+        if type(value) is not _Reply:
+            return None
+        v = value.value
+        if v is None or type(v) is not torch.Tensor or not v.requires_grad:
+            return ser.plain_reply(v) if type(v) is not _Reply else None
+        d = v.detach()
+        meta = ser.plain_meta(d)
+        if meta is None:
+            return None
+        c = container()
+        sid = c.record_send(value.context_id, v)
+        return _RECV_BYTE + marshal.dumps((value.context_id, c.rank, sid) + meta), [d]
+
+    @staticmethod
     def reduce_tensor(send, t: torch.Tensor):
         c = container()
         sid = c.record_send(send.grad_ctx, t)
         return _rebuild_recv, (send.grad_ctx, c.rank, sid, t.detach())
 
 
+_RECV_BYTE = bytes([ser.PLAIN_RECV])
+
+
+def _plain_recv(payload, tensors) -> torch.Tensor:
+    """A plain reply's tensor that requires grad: through a recv node, as pickled."""
+    try:
+        context_id, src, send_id, code, shape = marshal.loads(memoryview(payload)[1:])
+    except (EOFError, ValueError, TypeError) as exc:
+        raise ProtocolError(f"malformed plain reply: {exc}") from None
+    if len(tensors) != 1:
+        raise ProtocolError(f"plain tensor reply with {len(tensors)} buffers")
+    return _rebuild_recv(context_id, src, send_id, ser.plain_tensor(tensors[0], code, shape))
+
+
 ser.set_grad_hook(_GradHook())
+ser.PLAIN_VALUES[ser.PLAIN_RECV] = _plain_recv
