@@ -347,14 +347,17 @@ def test_dense_gradients_travel_plain_not_pickled(world):
 
 
 def body_context_reply_plain():
-    """A reply tensor that requires grad comes back plain, through a recv node."""
-    from test_rpc import count_plain_replies
+    """Tensors that require grad go plain both ways (request and reply), through
+    recv nodes."""
+    from test_rpc import count_plain_calls, count_plain_replies
     a = torch.rand(3, requires_grad=True)
     b = torch.rand(3, requires_grad=True)
     with dist_autograd.context() as cid:
-        before = count_plain_replies()
+        before = count_plain_replies(), rpc.rpc_sync("worker1", count_plain_calls)
         z = rpc.rpc_sync("worker1", mul, args=(a, b))
-        plain = count_plain_replies() - before
+        after = count_plain_replies(), rpc.rpc_sync("worker1", count_plain_calls)
+        # (less the probe among the calls; its int reply is pickled)
+        plain = after[0] - before[0], after[1] - before[1] - 1
         assert z.requires_grad and z.grad_fn is not None
         dist_autograd.backward(cid, [(z * z).sum()])
         grads = dist_autograd.get_gradients(cid)
@@ -363,8 +366,8 @@ def body_context_reply_plain():
     return plain
 
 
-def test_a_reply_that_requires_grad_comes_back_plain(world):
-    assert world.run(0, body_context_reply_plain) == 1
+def test_tensors_that_require_grad_travel_plain_both_ways(world):
+    assert world.run(0, body_context_reply_plain) == (1, 1)
 
 
 def sparse_rows(w, idx):

@@ -313,6 +313,126 @@ def test_a_malformed_plain_reply_fails_its_call_and_the_caller_keeps_serving(wor
     assert world.run(0, body_malformed_plain_reply) == 42
 
 
+def count_plain_calls():
+    """From now on, count the plain requests this worker decodes (wrapping the
+    decoder); returns the count so far."""
+    from torchwire import _serialization as ser
+    if not hasattr(count_plain_calls, "n"):
+        count_plain_calls.n = 0
+        inner = ser.plain_call_decode
+
+        def counted(payload, tensors):
+            count_plain_calls.n += 1
+            return inner(payload, tensors)
+        ser.plain_call_decode = counted
+    return count_plain_calls.n
+
+
+def describe(*args, **kwargs):
+    return [(type(a).__name__, a.tolist() if isinstance(a, torch.Tensor) else
+             a.to_here().tolist() if isinstance(a, rpc.RRef) else a,
+             a.requires_grad if isinstance(a, torch.Tensor) else None) for a in args], \
+        sorted(kwargs)
+
+
+def make_value():
+    return torch.arange(3.0)
+
+
+def body_plain_calls():
+    """Which requests go without pickling, and that the function sees the same
+    arguments either way: (went plain, what the function saw)."""
+    import os
+    mine = rpc.RRef(torch.ones(2))
+    theirs = rpc.remote("worker1", make_value)
+    theirs.to_here()
+    elsewhere = rpc.remote("worker2", make_value)
+    local_fn = lambda x: x  # noqa: E731 - not picklable by reference: goes pickled (fails)
+    cases = [
+        ((), {}),
+        ((None, True, -7, 2 ** 70, 1.5, "s"), {}),
+        ((torch.ones(2, 3), torch.empty(0, dtype=torch.int8)), {}),
+        ((theirs,), {}),  # an RRef to its owner
+        ((torch.ones(2),), {"k": 1}),  # keyword arguments
+        ((torch.arange(6.0).reshape(2, 3).t(),), {}),  # not contiguous
+        ((torch.ones(2, requires_grad=True),), {}),  # requires grad, no context
+        (([1, 2],), {}),
+        ((mine,), {}),  # an RRef this worker owns
+        ((elsewhere,), {}),  # an RRef owned by a third worker
+    ]
+    out = []
+    for args, kwargs in cases:
+        before = rpc.rpc_sync("worker1", count_plain_calls)
+        got = rpc.rpc_sync("worker1", describe, args=args, kwargs=kwargs)
+        plain = rpc.rpc_sync("worker1", count_plain_calls) - before - 1  # (its own probe)
+        assert got == describe(*args, **kwargs), (got, args)
+        out.append(plain)
+    # builtins and functions not reachable by name are pickled as before
+    before = rpc.rpc_sync("worker1", count_plain_calls)
+    assert rpc.rpc_sync("worker1", torch.add, args=(torch.ones(1), 1)).tolist() == [2.0]
+    assert rpc.rpc_sync("worker1", os.getpid) != os.getpid()
+    with pytest.raises(torchwire.SerializationError):
+        rpc.rpc_sync("worker1", local_fn, args=(1,))
+    out.append(rpc.rpc_sync("worker1", count_plain_calls) - before - 1)
+    return out
+
+
+def test_simple_calls_go_plain_and_others_pickled(world):
+    assert world.run(0, body_plain_calls) == [1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0]
+
+
+def body_plain_call_to_a_function_the_callee_lacks():
+    """A plain call naming a function the callee cannot import fails like a pickled
+    one, and the callee keeps serving."""
+    import sys
+    import types
+    mod = types.ModuleType("only_on_worker0")
+    exec("def here():\n    return 1\n", mod.__dict__)
+    sys.modules[mod.__name__] = mod
+    try:
+        with pytest.raises(torchwire.SerializationError, match="only_on_worker0.*importable"):
+            rpc.rpc_sync("worker1", mod.here)
+    finally:
+        del sys.modules[mod.__name__]
+    return rpc.rpc_sync("worker1", add, args=(20, 22))
+
+
+def test_a_plain_call_to_a_missing_function_is_a_clear_error(world):
+    assert world.run(0, body_plain_call_to_a_function_the_callee_lacks) == 42
+
+
+def body_malformed_plain_calls():
+    import marshal
+
+    from torchwire import _serialization as ser
+    saved = ser.plain_call
+    errors = []
+    for payload, tensors in (
+            (bytes([ser.PLAIN_CALL]) + b"junk", []),
+            (bytes([ser.PLAIN_CALL]) + marshal.dumps(("os", "system", None, [(2, "true")])), []),
+            (bytes([ser.PLAIN_CALL]) + marshal.dumps(("test_rpc", "add", None, [(0, 0, (5,))])),
+             [torch.ones(2)]),
+            (bytes([ser.PLAIN_REPORT]), [])):
+        ser.plain_call = lambda *a, _p=payload, _t=tensors: (_p, _t, None)
+        try:
+            rpc.rpc_sync("worker1", add, args=(1, 2))
+        except Exception as exc:
+            errors.append(f"{type(exc).__name__}: {exc}")
+        finally:
+            ser.plain_call = saved
+    return errors, rpc.rpc_sync("worker1", add, args=(20, 22))
+
+
+def test_malformed_plain_calls_fail_their_call_and_the_callee_keeps_serving(world):
+    errors, still = world.run(0, body_malformed_plain_calls)
+    assert still == 42
+    assert len(errors) == 4, errors
+    assert "malformed plain request" in errors[0], errors
+    assert "os.system, not a function" in errors[1], errors
+    assert "malformed tensor" in errors[2], errors
+    assert "malformed plain request" in errors[3], errors
+
+
 def body_bad_calls():
     errors = {}
     for key, call in {

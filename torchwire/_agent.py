@@ -396,7 +396,13 @@ class RpcAgent:
         if self.state is AgentState.CLOSED:
             raise RpcStateError("RPC agent is shut down; call torchwire.rpc.init_rpc first")
         peer = to.id
-        payload, tensors, sent = ser.dumps_to((func, args, kwargs), peer, True)
+        plain = ser.plain_call(func, args, kwargs, peer)
+        if plain is None:
+            flags = 0
+            payload, tensors, sent = ser.dumps_to((func, args, kwargs), peer, True)
+        else:
+            flags = F.F_PLAIN
+            payload, tensors, sent = plain
         size = len(payload)
         for t in tensors:
             size += t.nbytes
@@ -422,7 +428,7 @@ class RpcAgent:
         self._pending[rid] = (fut, tick, peer, conn, timeout, func,
                               sent if pin is None else (sent, pin))
         try:
-            conn.send_frame(F.K_REQUEST, 0, rid, payload, tensors)
+            conn.send_frame(F.K_REQUEST, flags, rid, payload, tensors)
         except ConnectionClosedError as exc:
             if sent is not None:
                 sent.abort()
@@ -473,12 +479,23 @@ class RpcAgent:
             self._sent_to[rank] += 1
 
     def _serve_plain(self, conn, rid: int, payload, tensors) -> None:
-        """A PLAIN request: its handler, on this thread.  One-way: a failure can only
-        be logged (the handlers report their own errors to whoever waits)."""
+        """A PLAIN request: a call (``ser.plain_call``), run and replied as any; or an
+        internal one-way message, to its handler on this thread (a failure can only be
+        logged: the handlers report their own errors to whoever waits)."""
+        if rid != 0:  # a call (ser.plain_call)
+            try:
+                if not payload or payload[0] != ser.PLAIN_CALL:
+                    raise ProtocolError("malformed plain request")
+                func, args, kwargs = ser.plain_call_decode(payload, tensors)
+            except Exception as exc:
+                self._reply_error(conn, rid, exc, "")
+                return
+            del payload, tensors
+            self._run(conn, rid, func, args, kwargs)
+            return
         try:
-            if rid != 0 or not payload:
-                raise ProtocolError(f"malformed internal message (request id {rid}, "
-                                    f"{len(payload)} bytes)")
+            if not payload:
+                raise ProtocolError("empty internal message")
             handler = ser.PLAIN_HANDLERS.get(payload[0])
             if handler is None:
                 raise ProtocolError(f"unknown internal message kind {payload[0]}")

@@ -849,6 +849,31 @@ def _reduce_rref(rref: RRef):
 ser.register_reducer(RRef, _reduce_rref)
 
 
+class _PlainRRef:
+    """RRef arguments of plain calls (``ser.plain_call``): only a user RRef sent to its
+    owner, which needs no fork (the owner finds its own RRef); the request pins it
+    until the reply, as pickled."""
+
+    @staticmethod
+    def can(rref: RRef, dest: int) -> bool:
+        state = rref._user
+        return state is not None and not state.deleted and state.owner == dest
+
+    @staticmethod
+    def encode(rref: RRef, send) -> tuple:
+        send.pins.append(rref)
+        return (rref._user.rref_id, _require_ctx().rank)
+
+    @staticmethod
+    def decode(desc) -> RRef:
+        rref_id, parent = desc
+        ctx = _require_ctx()
+        return ctx.rebuild(ctx.rank, tuple(rref_id), None, parent, False)
+
+
+ser.set_plain_rref(RRef, _PlainRRef)
+
+
 def _remote_exec(rref_id, fork_id, caller: int, func, args, kwargs):
     """Owner: create the value of a ``remote()`` call.
 

@@ -24,7 +24,9 @@ import io
 import marshal
 import math
 import pickle
+import sys
 import threading
+import types
 from typing import Any, Callable
 
 import torch
@@ -182,6 +184,8 @@ PLAIN_GRADS, PLAIN_REPORT, PLAIN_RELEASE = 1, 2, 3
 # decoded by ``PLAIN_VALUES[kind](payload, tensors)``.
 PLAIN_NONE, PLAIN_TENSOR, PLAIN_RECV = 4, 5, 6
 PLAIN_VALUES: dict[int, Callable] = {}
+# And requests (a REQUEST with the PLAIN flag and a request id, see :func:`plain_call`).
+PLAIN_CALL = 7
 
 _PLAIN_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16,
                  torch.complex64, torch.complex128, torch.int64, torch.int32, torch.int16,
@@ -242,6 +246,133 @@ def plain_value(payload, tensors) -> Any:
     if decode is None:
         raise ProtocolError(f"unknown plain reply kind {kind}")
     return decode(payload, tensors)
+
+
+_CALL_BYTE = bytes([PLAIN_CALL])
+_SCALARS = (type(None), bool, int, float, str)
+_FUNCTION = types.FunctionType
+# An argument's form in a plain call (first item of its description).
+_ARG_TENSOR, _ARG_GRAD, _ARG_VALUE, _ARG_RREF = 0, 1, 2, 3
+# RRefs: (RRef type, handler) set by the RRef module (``set_plain_rref``).
+_plain_rref: tuple | None = None
+
+
+def set_plain_rref(rref_type: type, handler) -> None:
+    """RRef arguments of plain calls: ``handler.can(rref, dest)``, ``handler.encode(rref,
+    send)`` (a tuple of ints) and ``handler.decode(desc)``."""
+    global _plain_rref
+    _plain_rref = (rref_type, handler)
+
+
+def plain_call(func, args, kwargs, dest: int) -> tuple[bytes, list, SendContext | None] | None:
+    """``(payload, tensors, ctx)`` of a request that needs no pickling, as
+    :func:`dumps_to` for ``(func, args, kwargs)``, else None.
+
+    Plain: a module-level Python function (named by module and name, as pickle does),
+    no keyword arguments, and positional arguments that are each None, a bool, int,
+    float or str, a plain dense CPU tensor (one that requires grad only inside an
+    autograd context: it is recorded as a send entry, as pickled), or an RRef sent to
+    its owner.  With the caches cold, as between messages, pickling and unpickling
+    such a call costs ~50-120 µs; the plain form about half, most of it building the
+    tensors."""
+    if args is None:
+        args = ()
+    if kwargs or type(func) is not _FUNCTION or type(args) is not tuple:
+        return None
+    name = func.__name__
+    if func.__qualname__ != name or getattr(func, "_wrapped_async_rpc_function", None) \
+            is not None:
+        return None
+    module = func.__module__
+    mod = sys.modules.get(module) if type(module) is str else None
+    if mod is None or getattr(mod, name, None) is not func:
+        return None
+    cid = _grad.context
+    rrefs = _plain_rref
+    for a in args:  # every argument first: nothing is recorded for a pickled call
+        t = type(a)
+        if t is torch.Tensor:
+            if a.requires_grad:
+                if cid is None or _grad_hook is None or plain_meta(a.detach()) is None:
+                    return None
+            elif plain_meta(a) is None:
+                return None
+        elif t not in _SCALARS and not (rrefs is not None and t is rrefs[0]
+                                        and rrefs[1].can(a, dest)):
+            return None
+    send = SendContext(dest, True)
+    descs, tensors = [], []
+    for a in args:
+        t = type(a)
+        if t is torch.Tensor:
+            if a.requires_grad:
+                d = a.detach()
+                code, shape = plain_meta(d)
+                rank, sid = _grad_hook.record(cid, a)
+                descs.append((_ARG_GRAD, code, shape, rank, sid))
+                tensors.append(d)
+            else:
+                code, shape = plain_meta(a)
+                descs.append((_ARG_TENSOR, code, shape))
+                tensors.append(a)
+        elif t in _SCALARS:
+            descs.append((_ARG_VALUE, a))
+        else:
+            descs.append((_ARG_RREF,) + rrefs[1].encode(a, send))
+    if cid is not None:
+        _grad_hook.note_worker(cid, dest)
+    payload = _CALL_BYTE + marshal.dumps((module, name, cid, descs))
+    return payload, tensors, (send if send.pins or send.undo else None)
+
+
+def plain_call_decode(payload, tensors) -> tuple:
+    """Inverse of :func:`plain_call`: ``(func, args, None)``; a call made in an
+    autograd context runs in it (the grad hook wraps ``func``).
+
+    Raises:
+        ProtocolError: malformed.
+        SerializationError: the function is not found here.
+    """
+    try:
+        module, name, cid, descs = marshal.loads(memoryview(payload)[1:])
+        mod = sys.modules.get(module)
+        if mod is None:
+            mod = importlib.import_module(module)
+        func = getattr(mod, name)
+    except (ImportError, AttributeError) as exc:
+        raise SerializationError(
+            f"cannot unpickle message: {type(exc).__name__}: {exc} (the RPC pickler does "
+            "not serialize function code: a function must be defined, importable under "
+            "the same module name, on both workers)") from exc
+    except (EOFError, ValueError, TypeError) as exc:
+        raise ProtocolError(f"malformed plain request: {exc}") from None
+    if type(func) is not _FUNCTION:
+        raise ProtocolError(f"plain request names {module}.{name}, not a function")
+    if cid is not None and _grad_hook is None:
+        importlib.import_module("torchwire.autograd")  # installs it (as unpickling would)
+    args = []
+    it = iter(tensors)
+    try:
+        for d in descs:
+            form = d[0]
+            if form == _ARG_TENSOR:
+                args.append(plain_tensor(next(it), d[1], d[2]))
+            elif form == _ARG_GRAD:
+                t = plain_tensor(next(it), d[1], d[2])
+                args.append(_grad_hook.recv(cid, d[3], d[4], t))
+            elif form == _ARG_VALUE:
+                args.append(d[1])
+            elif form == _ARG_RREF:
+                args.append(_plain_rref[1].decode(d[1:]))
+            else:
+                raise ProtocolError(f"unknown argument form {form}")
+    except (StopIteration, IndexError, TypeError) as exc:
+        raise ProtocolError(f"malformed plain request: {type(exc).__name__} {exc}") from None
+    if next(it, None) is not None:
+        raise ProtocolError("plain request with more buffers than tensors")
+    if cid is not None:
+        func = _grad_hook.in_context(cid, func)
+    return func, tuple(args), None
 
 
 def plain_tensor(raw, code: int, shape) -> torch.Tensor:

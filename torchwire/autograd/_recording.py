@@ -158,6 +158,19 @@ class _GradHook:
         func, args, kwargs = call
         return _InContext(cid, func), args, kwargs
 
+    # plain calls (ser.plain_call / plain_call_decode)
+    @staticmethod
+    def record(context_id: int, t: torch.Tensor) -> tuple[int, int]:
+        c = container()
+        return c.rank, c.record_send(context_id, t)
+
+    @staticmethod
+    def note_worker(context_id: int, dest: int) -> None:
+        container().note_worker(context_id, dest)
+
+    recv = staticmethod(_rebuild_recv)
+    in_context = _InContext
+
     @staticmethod
     def plain_reply(value):
         """``ser.plain_reply`` of a reply in a context: a tensor (one that requires grad
