@@ -242,19 +242,27 @@ def test_unpicklable_return_value_is_an_error_and_callee_keeps_serving(world):
     assert world.run(0, body_unpicklable_return) == 42
 
 
-def count_plain_replies():
-    """From now on, count the plain replies this worker decodes (wrapping the
-    decoder); returns the count so far."""
+_decoded: dict = {}
+
+
+def _count_decodes(decoder: str) -> int:
+    """From now on, count this worker's calls of ``_serialization.<decoder>`` (wrapping
+    it); returns the count so far."""
     from torchwire import _serialization as ser
-    if not hasattr(count_plain_replies, "n"):
-        count_plain_replies.n = 0
-        inner = ser.plain_value
+    if decoder not in _decoded:
+        _decoded[decoder] = 0
+        inner = getattr(ser, decoder)
 
         def counted(payload, tensors):
-            count_plain_replies.n += 1
+            _decoded[decoder] += 1
             return inner(payload, tensors)
-        ser.plain_value = counted
-    return count_plain_replies.n
+        setattr(ser, decoder, counted)
+    return _decoded[decoder]
+
+
+def count_plain_replies():
+    """Plain replies this worker decoded (from the first call of this on)."""
+    return _count_decodes("plain_value")
 
 
 def identity(x):
@@ -314,18 +322,8 @@ def test_a_malformed_plain_reply_fails_its_call_and_the_caller_keeps_serving(wor
 
 
 def count_plain_calls():
-    """From now on, count the plain requests this worker decodes (wrapping the
-    decoder); returns the count so far."""
-    from torchwire import _serialization as ser
-    if not hasattr(count_plain_calls, "n"):
-        count_plain_calls.n = 0
-        inner = ser.plain_call_decode
-
-        def counted(payload, tensors):
-            count_plain_calls.n += 1
-            return inner(payload, tensors)
-        ser.plain_call_decode = counted
-    return count_plain_calls.n
+    """Plain requests this worker decoded (from the first call of this on)."""
+    return _count_decodes("plain_call_decode")
 
 
 def describe(*args, **kwargs):
