@@ -5,11 +5,13 @@ tests/test_fuzz.py`` runs a long one on demand.  The properties: whatever bytes
 arrive, the reader either delivers well-formed frames or drops the connection
 with a ``ProtocolError`` / ``EOFError`` (never another exception, never a hang,
 never an allocation beyond ``max_message_size``); whatever payload arrives, the
-decoder raises ``SerializationError`` (never another exception).
+decoder raises ``SerializationError`` (never another exception), and the plain
+(not pickled) messages' decoders ``ProtocolError`` or ``SerializationError``.
 """
 
 from __future__ import annotations
 
+import marshal
 import os
 import pickle
 import socket
@@ -155,3 +157,37 @@ def test_absurd_lengths_are_refused_before_anything_is_allocated(claim):
 def test_the_valid_payload_used_above_does_decode():
     assert ser.loads(_valid_payload(), [])[0] is len
     assert pickle.loads(_valid_payload())[0] is len
+
+
+def _valid_plain_call() -> bytes:
+    return bytes([ser.PLAIN_CALL]) + marshal.dumps(
+        ("os.path", "join", None, [(2, "a"), (0, 0, (2,)), (2, 3)]))
+
+
+# Plain messages (not pickled): their decoders raise ProtocolError or SerializationError
+# (RpcStateError for the forms that need an RPC agent, absent in this process), never
+# another exception, whatever the bytes after the kind and whatever buffers come along.
+@fuzz
+@given(st.one_of(
+    st.binary(max_size=120),
+    st.tuples(st.integers(0, 120), st.integers(0, 255)).map(
+        lambda t: _flip(_valid_plain_call(), *t)[1:]),
+    st.integers(0, 120).map(lambda n: _valid_plain_call()[1:n])),
+    st.sampled_from([ser.PLAIN_NONE, ser.PLAIN_TENSOR, ser.PLAIN_CALL, 0, 99]),
+    st.lists(st.binary(max_size=16).map(bytearray), max_size=3))
+def test_plain_decoders_raise_only_protocol_errors(body, kind, buffers):
+    payload = bytes([kind]) + body
+    try:
+        if kind == ser.PLAIN_CALL:
+            func, args, kwargs = ser.plain_call_decode(payload, buffers)
+            assert callable(func) and isinstance(args, tuple) and kwargs is None
+        else:
+            ser.plain_value(payload, buffers)
+    except (torchwire.ProtocolError, torchwire.SerializationError, torchwire.RpcStateError):
+        pass
+
+
+def test_the_valid_plain_call_used_above_does_decode():
+    func, args, kwargs = ser.plain_call_decode(_valid_plain_call(), [bytearray(8)])
+    assert func is os.path.join and args[0] == "a" and args[2] == 3
+    assert args[1].tolist() == [0.0, 0.0]
