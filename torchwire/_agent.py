@@ -59,7 +59,7 @@ from functools import partial
 
 import torch
 
-from . import _devices, _threads
+from . import _devices, _intraop, _threads
 from . import _serialization as ser
 from ._errors import (ConnectionClosedError, ProtocolError, RpcStateError, RpcTimeoutError,
                       SerializationError, WorkerUnavailableError)
@@ -153,6 +153,7 @@ class RpcAgent:
             info = WorkerInfo(r["name"], r["rank"])
             self._peers[info.id] = _Peer(info, r)
             self._by_name[info.name] = info
+        self._share_host()
         # dynamic groups: members that left or were found gone, and why (for errors)
         self._departed: dict[int, tuple[WorkerInfo, str]] = {}
         self._departed_names: dict[str, tuple[WorkerInfo, str]] = {}
@@ -378,9 +379,15 @@ class RpcAgent:
                     log.exception("torchwire: %r could not forget rank %d", p, rank)
 
     def _update_router(self) -> None:
-        """Device maps of a dynamic group: route to the members of now."""
+        """Device maps of a dynamic group: route to the members of now; and the
+        intra-op threads of torchwire's own passes (their share of this host)."""
         router = _devices.Router(self.name, [p.record for p in self._peers.values()])
         ser.set_device_router(router.target if router else None)
+        self._share_host()
+
+    def _share_host(self) -> None:
+        local = sum(1 for p in self._peers.values() if p.record.get("host") == self._host)
+        _intraop.set_local_workers(max(1, local))
 
     # ------------------------------------------------------------------ calls
 

@@ -56,19 +56,44 @@ _omp = _find_omp() if "OpenMP" in torch.__config__.parallel_info() else None
 _mkl_local = _find_mkl_local() if _omp is not None else None
 
 
+# Threads for torchwire's larger pieces of work: this process's share of the CPUs it
+# may use, among the workers of its job on this host (None: torch's setting).  Every
+# worker's passes would otherwise each take torch's count, which is sized for the
+# whole machine: on a 2-core host running 2 workers, a pass's OpenMP team waited for
+# the other process's threads (a Linear(128, 4000) backward took ~1.5 ms; the step's
+# backward, 3.4-3.8 ms with 2 threads, took 2.5-2.7 ms with 1).  torch's own
+# launcher sets OMP_NUM_THREADS=1 for several processes per host for this reason.
+_pass_threads: int | None = None
+
+
+def set_local_workers(n: int) -> None:
+    """The agent: ``n`` workers of this job (this one included) run on this host."""
+    global _pass_threads
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cpus = os.cpu_count() or 1
+    _pass_threads = max(1, cpus // max(1, n))
+
+
 def serial_for(numel: int) -> tuple | None:
-    """For work over ``numel`` elements below :data:`SERIAL_MAX_ELEMENTS`: limit this
-    thread's OpenMP and MKL threads to 1 (only this thread's settings: other threads
-    keep theirs); returns what :func:`restore` needs, or None if nothing changed."""
-    if _omp is None or numel >= SERIAL_MAX_ELEMENTS:
+    """Limit this thread's OpenMP and MKL threads for work over ``numel`` elements
+    (only this thread's settings: other threads keep theirs): to 1 below
+    :data:`SERIAL_MAX_ELEMENTS`, else to this worker's share of the host's CPUs
+    (:func:`set_local_workers`) when torch's count is larger.  Returns what
+    :func:`restore` needs, or None if nothing changed."""
+    if _omp is None:
+        return None
+    want = 1 if numel < SERIAL_MAX_ELEMENTS else _pass_threads
+    if want is None:
         return None
     # torch's own value first: its first call on a thread sets the thread's OpenMP
     # setting from torch's global one, which would undo ours if it came later
     before = torch.get_num_threads()
-    if before <= 1:
+    if before <= want:
         return None
-    _omp.omp_set_num_threads(1)
-    mkl = _mkl_local(1) if _mkl_local is not None else None
+    _omp.omp_set_num_threads(want)
+    mkl = _mkl_local(want) if _mkl_local is not None else None
     return before, mkl
 
 
