@@ -425,7 +425,7 @@ def test_malformed_plain_calls_fail_their_call_and_the_callee_keeps_serving(worl
     errors, still = world.run(0, body_malformed_plain_calls)
     assert still == 42
     assert len(errors) == 4, errors
-    assert "malformed plain request" in errors[0], errors
+    assert "malformed plain message" in errors[0], errors
     assert "os.system, not a function" in errors[1], errors
     assert "malformed tensor" in errors[2], errors
     assert "malformed plain request" in errors[3], errors

@@ -206,6 +206,32 @@ def plain_meta(t) -> tuple | None:
     return None
 
 
+def plain_body(payload, n: int | None = None):
+    """The ``marshal``-ed body of a plain message (after its kind byte); with ``n``,
+    checked to be a tuple of ``n`` items.
+
+    Raises:
+        ProtocolError: malformed.
+    """
+    try:
+        body = marshal.loads(memoryview(payload)[1:])
+    except (EOFError, ValueError, TypeError) as exc:
+        raise ProtocolError(f"malformed plain message: {exc}") from None
+    if n is not None and (type(body) is not tuple or len(body) != n):
+        raise ProtocolError(f"malformed plain message: not {n} fields")
+    return body
+
+
+def one_buffer(tensors) -> Any:
+    """The single buffer of a plain tensor reply.
+
+    Raises:
+        ProtocolError: not exactly one."""
+    if len(tensors) != 1:
+        raise ProtocolError(f"plain tensor reply with {len(tensors)} buffers")
+    return tensors[0]
+
+
 _NONE_REPLY = bytes([PLAIN_NONE])
 _TENSOR_REPLY = bytes([PLAIN_TENSOR])
 
@@ -235,13 +261,8 @@ def plain_value(payload, tensors) -> Any:
     if kind == PLAIN_NONE:
         return None
     if kind == PLAIN_TENSOR:
-        try:
-            code, shape = marshal.loads(memoryview(payload)[1:])
-        except (EOFError, ValueError, TypeError) as exc:
-            raise ProtocolError(f"malformed plain reply: {exc}") from None
-        if len(tensors) != 1:
-            raise ProtocolError(f"plain tensor reply with {len(tensors)} buffers")
-        return plain_tensor(tensors[0], code, shape)
+        code, shape = plain_body(payload, 2)
+        return plain_tensor(one_buffer(tensors), code, shape)
     decode = PLAIN_VALUES.get(kind)
     if decode is None:
         raise ProtocolError(f"unknown plain reply kind {kind}")
@@ -333,8 +354,8 @@ def plain_call_decode(payload, tensors) -> tuple:
         ProtocolError: malformed.
         SerializationError: the function is not found here.
     """
+    module, name, cid, descs = plain_body(payload, 4)
     try:
-        module, name, cid, descs = marshal.loads(memoryview(payload)[1:])
         mod = sys.modules.get(module)
         if mod is None:
             mod = importlib.import_module(module)
@@ -344,7 +365,7 @@ def plain_call_decode(payload, tensors) -> tuple:
             f"cannot unpickle message: {type(exc).__name__}: {exc} (the RPC pickler does "
             "not serialize function code: a function must be defined, importable under "
             "the same module name, on both workers)") from exc
-    except (EOFError, ValueError, TypeError) as exc:
+    except (ValueError, TypeError) as exc:
         raise ProtocolError(f"malformed plain request: {exc}") from None
     if type(func) is not _FUNCTION:
         raise ProtocolError(f"plain request names {module}.{name}, not a function")

@@ -372,7 +372,7 @@ def _send_grads(agent, dest: int, context_id: int, key: tuple, weight: int, item
 
 
 def _on_grads(src: int, payload: bytes, tensors) -> None:
-    context_id, key, weight, metas, report = marshal.loads(memoryview(payload)[1:])
+    context_id, key, weight, metas, report = ser.plain_body(payload, 5)
     if len(metas) != len(tensors):
         raise ProtocolError(f"gradients message with {len(metas)} entries and "
                                 f"{len(tensors)} buffers")
@@ -382,7 +382,7 @@ def _on_grads(src: int, payload: bytes, tensors) -> None:
 
 
 def _on_report(src: int, payload: bytes, tensors) -> None:
-    key, report, failure = marshal.loads(memoryview(payload)[1:])
+    key, report, failure = ser.plain_body(payload, 3)
     _apply_report(key, report, failure)
 
 

@@ -348,7 +348,7 @@ _RELEASE_BYTE = bytes([ser.PLAIN_RELEASE])
 
 def _on_release(src: int, payload: bytes, tensors) -> None:
     """Plain message: the context ended on the worker that sent it here."""
-    context_id = marshal.loads(memoryview(payload)[1:])
+    context_id = ser.plain_body(payload)
     if type(context_id) is not int:
         raise ProtocolError(f"malformed context release from rank {src}")
     container().release(context_id, source=src)

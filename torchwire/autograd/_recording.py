@@ -25,7 +25,6 @@ import threading
 import torch
 
 from .. import _serialization as ser
-from .._errors import ProtocolError
 from .._future import Deferred, Future
 from ._context import container
 
@@ -200,13 +199,9 @@ _RECV_BYTE = bytes([ser.PLAIN_RECV])
 
 def _plain_recv(payload, tensors) -> torch.Tensor:
     """A plain reply's tensor that requires grad: through a recv node, as pickled."""
-    try:
-        context_id, src, send_id, code, shape = marshal.loads(memoryview(payload)[1:])
-    except (EOFError, ValueError, TypeError) as exc:
-        raise ProtocolError(f"malformed plain reply: {exc}") from None
-    if len(tensors) != 1:
-        raise ProtocolError(f"plain tensor reply with {len(tensors)} buffers")
-    return _rebuild_recv(context_id, src, send_id, ser.plain_tensor(tensors[0], code, shape))
+    context_id, src, send_id, code, shape = ser.plain_body(payload, 5)
+    t = ser.plain_tensor(ser.one_buffer(tensors), code, shape)
+    return _rebuild_recv(context_id, src, send_id, t)
 
 
 ser.set_grad_hook(_GradHook())
