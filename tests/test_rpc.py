@@ -976,3 +976,45 @@ def test_concurrent_first_parallel_ops_on_a_forked_workers_threads_succeed():
     for _ in range(3):  # a fresh job each time: fresh threads
         sums = run_world(body, 2)[0]
         assert sums == pytest.approx([64.0] * 6)
+
+
+def served_thread_settings():
+    """The intra-op threads a request may use on the thread that serves it (torch's count,
+    MKL's), and a parallel op's result there."""
+    from test_autograd import _mkl_threads
+    return (torch.get_num_threads(), _mkl_threads(),
+            float(torch.ones(64, 1000).softmax(1).sum()))
+
+
+def test_requests_use_this_workers_share_of_the_hosts_cpus():
+    # Two workers on this host, torch set to 2 intra-op threads in each: the threads
+    # that serve requests use at most CPUs // 2 (as torch's launcher sets
+    # OMP_NUM_THREADS=1 for several processes per host); the user's thread keeps 2.
+    def body(rank, world_size, init_method):
+        import os
+
+        from _cluster import options
+        from torchwire import _intraop
+        torch.set_num_threads(2)  # this process's setting, before torchwire's threads
+        rpc.init_rpc(f"worker{rank}", rank=rank, world_size=world_size,
+                     rpc_backend_options=options(init_method))
+        try:
+            if rank != 0:
+                return None
+            served = [rpc.rpc_sync("worker1", served_thread_settings) for _ in range(3)]
+            # at once: some wait for the pool (a reader runs a few in place)
+            futs = [rpc.rpc_async("worker1", served_thread_settings) for _ in range(12)]
+            served += [f.wait() for f in futs]
+            return (served, torch.get_num_threads(), _intraop._omp is not None,
+                    len(os.sched_getaffinity(0)))
+        finally:
+            rpc.shutdown()
+
+    served, main_threads, omp, cpus = run_world(body, 2, init=False)[0]
+    assert main_threads == 2  # the user's thread: torch's setting, untouched
+    assert all(total == pytest.approx(64.0) for _, _, total in served)
+    if not omp:
+        pytest.skip("torch's intra-op threads are not OpenMP threads here")
+    share = min(2, max(1, cpus // 2))
+    mkl = torch.backends.mkl.is_available()
+    assert {(n, m) for n, m, _ in served} == {(share, share if mkl else None)}, served

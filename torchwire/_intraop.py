@@ -1,18 +1,29 @@
-"""Intra-op threads for torchwire's own small pieces of work.
+"""Intra-op threads for the work torchwire's own threads run.
 
-A local pass of the distributed backward is a chain of small kernels run on one of
-torchwire's threads.  Each intra-op parallel region wakes the
-thread's OpenMP team, and on tensors this small the wake-up costs more than the split
-saves; on a loaded 2-core machine a team thread that is not scheduled stalls the
-region's barrier (a Linear(32, 1000) backward: 157 µs with 2 threads, 84 µs with 1).
-:func:`serial_for` limits the calling thread alone to one thread for such work, and
-:func:`restore` undoes it.  Larger work keeps torch's setting.
+torchwire's threads (readers running requests in place, the pool) run requests and
+local passes of the distributed backward.  Two rules, both per thread (a thread's
+OpenMP and MKL counts are its own; the user's threads keep torch's setting):
+
+* Each torchwire thread uses at most this worker's share of the host's CPUs: the
+  CPUs it may use divided by the job's workers on this host (:func:`share_thread`).
+  Every worker's threads would otherwise each take torch's count, which is sized
+  for the whole machine; on a 2-core host running 2 workers a request's OpenMP team
+  waited for CPUs the other process held (the bench's served EmbeddingBag and
+  Linear(32, 1000) forwards: step 4% faster with 1 thread than 2).  torch's own
+  launcher sets OMP_NUM_THREADS=1 when it starts several processes per host, for
+  the same reason.
+* A local pass of the distributed backward over few elements runs on one thread
+  (:func:`serial_for`, :func:`restore`): each parallel region wakes the thread's
+  OpenMP team, and on tensors this small the wake-up costs more than the split
+  saves (a Linear(32, 1000) backward on a loaded 2-core machine: 157 µs with 2
+  threads, 84 µs with 1).
 """
 
 from __future__ import annotations
 
 import ctypes
 import os
+import threading
 
 import torch
 
@@ -64,16 +75,45 @@ _mkl_local = _find_mkl_local() if _omp is not None else None
 # backward, 3.4-3.8 ms with 2 threads, took 2.5-2.7 ms with 1).  torch's own
 # launcher sets OMP_NUM_THREADS=1 for several processes per host for this reason.
 _pass_threads: int | None = None
+_generation = 0  # bumped when the share changes: threads apply it again
+
+
+class _Local(threading.local):
+    generation = -1  # the share this thread applied (-1: none yet)
+    torch_threads = 0  # torch's count when this thread first asked (its own setting)
+
+
+_local = _Local()
 
 
 def set_local_workers(n: int) -> None:
     """The agent: ``n`` workers of this job (this one included) run on this host."""
-    global _pass_threads
+    global _pass_threads, _generation
     try:
         cpus = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
         cpus = os.cpu_count() or 1
-    _pass_threads = max(1, cpus // max(1, n))
+    share = max(1, cpus // max(1, n))
+    if share != _pass_threads:
+        _pass_threads = share
+        _generation += 1
+
+
+def share_thread() -> None:
+    """Limit the calling torchwire thread's OpenMP and MKL threads to this worker's share
+    of the host (:func:`set_local_workers`) where torch's count is larger; done again
+    only when the share changes.  Called before a torchwire thread runs requests."""
+    local = _local
+    if local.generation == _generation or _omp is None or _pass_threads is None:
+        return
+    local.generation = _generation
+    if not local.torch_threads:
+        local.torch_threads = torch.get_num_threads()  # before any setting of ours
+    want = min(local.torch_threads, _pass_threads)
+    _omp.omp_set_num_threads(want)
+    if _mkl_local is not None:
+        # 0: MKL's global setting (torch's), else this thread's own
+        _mkl_local(0 if want == local.torch_threads else want)
 
 
 def serial_for(numel: int) -> tuple | None:

@@ -98,6 +98,7 @@ class WorkerPool:
         _intraop.init_thread()
         _threads.set_current_pool(self)
         queue, lock, stack = self._queue, self._lock, self._idle_stack
+        share_thread = _intraop.share_thread
         waiter = threading.Lock()
         waiter.acquire()  # held while running; released by whoever wakes us
         while True:
@@ -123,6 +124,7 @@ class WorkerPool:
                         self._threads -= 1
                         return
                 fn, args = queue.popleft()
+            share_thread()
             try:
                 fn(*args)
             except BaseException:  # a task must never kill a pool thread

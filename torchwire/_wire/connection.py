@@ -756,6 +756,7 @@ class Connection:
         """Run ``requests`` (callables) in order on this reader thread; True if the
         reading was handed off meanwhile (this thread must then stop reading; the
         requests not started by then went to the pool)."""
+        _intraop.share_thread()
         run = _InlineRun(self, requests)
         t0 = run.started
         _watchdog.begin(run, self._fast_runs >= _TRUST_AFTER)
