@@ -1018,3 +1018,49 @@ def test_requests_use_this_workers_share_of_the_hosts_cpus():
     share = min(2, max(1, cpus // 2))
     mkl = torch.backends.mkl.is_available()
     assert {(n, m) for n, m, _ in served} == {(share, share if mkl else None)}, served
+
+
+def test_a_sync_reply_hands_over_its_value_or_a_fresh_copy_of_its_error():
+    # rpc_sync's reply object (a lock the reader releases, not a torch future)
+    from torchwire._future import SyncReply
+    ok = SyncReply()
+    assert not ok.done()
+    threading.Timer(0.05, ok.set_result, args=([1, 2],)).start()
+    assert ok.wait() == [1, 2] and ok.done()
+    assert ok.wait() == [1, 2]  # again: still the value
+
+    bad = SyncReply()
+    stored = ValueError("boom")
+    stored.__cause__ = KeyError("why")
+    bad.set_exception(stored)
+    raised = []
+    for _ in range(2):
+        with pytest.raises(ValueError, match="^boom$") as info:
+            bad.wait()
+        raised.append(info.value)
+    # a copy each time, chained to the cause; the stored error never gains the
+    # waiter's frames (which would keep their locals alive through a cycle)
+    assert raised[0] is not stored and raised[1] is not stored
+    assert isinstance(raised[0].__cause__, KeyError)
+    assert stored.__traceback__ is None
+
+
+def body_sync_errors():
+    out = []
+    for _ in range(2):
+        try:
+            rpc.rpc_sync("worker1", raise_value_error, args=("nope",))
+        except ValueError as exc:
+            out.append(str(exc))
+    try:
+        rpc.rpc_sync("worker1", sleep_then, args=(2, "late"), timeout=0.2)
+    except torchwire.RpcTimeoutError as exc:
+        out.append(type(exc).__name__)
+    out.append(rpc.rpc_sync("worker1", torch.add, args=(torch.ones(2), 1)).tolist())
+    return out
+
+
+def test_rpc_sync_raises_the_remote_error_and_times_out(world):
+    out = world.run(0, body_sync_errors)
+    assert len(out) == 4 and all("ValueError(nope)" in m for m in out[:2]), out
+    assert out[2:] == ["RpcTimeoutError", [2.0, 2.0]]

@@ -63,7 +63,7 @@ from . import _devices, _intraop, _threads
 from . import _serialization as ser
 from ._errors import (ConnectionClosedError, ProtocolError, RpcStateError, RpcTimeoutError,
                       SerializationError, WorkerUnavailableError)
-from ._future import Deferred, Future, set_dispatcher
+from ._future import Deferred, Future, SyncReply, set_dispatcher
 from ._liveness import DEFAULT_HEARTBEAT_INTERVAL, DEFAULT_HEARTBEAT_TIMEOUT, PeerHealth
 from ._pool import WorkerPool
 from ._timer import DeadlineTimer
@@ -96,6 +96,7 @@ class _Peer:
         self.record = record
         self.lock = threading.Lock()
         self.out = None
+
 
 
 class LoopbackConnection:
@@ -391,10 +392,13 @@ class RpcAgent:
 
     # ------------------------------------------------------------------ calls
 
-    def call(self, to: WorkerInfo, func, args, kwargs, timeout: float, pin=None) -> Future:
+    def call(self, to: WorkerInfo, func, args, kwargs, timeout: float, pin=None,
+             sync: bool = False) -> Future:
         """Send a request; returns the future of its reply.
 
         ``pin``: an object kept alive until the reply arrives (or the call fails).
+        ``sync``: the caller waits for the reply at once: a :class:`SyncReply` instead
+        of a future (only ``wait()`` and ``done()``).
 
         Raises (on the caller, before anything is sent):
             RpcStateError: the agent is shut down.
@@ -419,7 +423,7 @@ class RpcAgent:
             raise SerializationError(
                 f"message of {len(payload)} bytes + tensors exceeds max_message_size "
                 f"{self.max_message_size}")
-        fut = Future()
+        fut = SyncReply() if sync else Future()
         rid = next(self._rids)
         try:
             conn = self._connection_to(peer)

@@ -255,7 +255,8 @@ class RRef:
             self._get_future().wait()  # raises the creation error (remote failure, timeout)
         # by id, this RRef pinned to the call: the owner needs no RRef object for it
         value = ctx.agent.call(ctx.agent.get_worker_info(self._owner), _rref_fetch,
-                               (self._user.rref_id,), None, timeout, pin=self).wait()
+                               (self._user.rref_id,), None, timeout, pin=self,
+                               sync=True).wait()
         if creation is not None:
             # Only the remote() that made the value sets it, after registering this
             # fork: the value proves the owner knows of us (its reply may still be on

@@ -433,6 +433,7 @@ def rpc_sync(to, func, args=None, kwargs=None, timeout=UNSET_RPC_TIMEOUT):
         >>> rpc.rpc_sync("worker1", torch.add, args=(torch.ones(2), 3))
         tensor([4., 4.])
     """
-    return _invoke(to, func, args, kwargs, timeout).wait()
+    agent, info, args, kwargs, timeout = _check_call(to, func, args, kwargs, timeout)
+    return agent.call(info, func, args, kwargs, timeout, None, True).wait()
 
 
