@@ -33,7 +33,6 @@ entries in the context (a later pass from one of them may cross the same nodes).
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import marshal
 import threading
@@ -207,6 +206,35 @@ def _failure(rank: int, exc: BaseException, tb: str | None = None, agent=None) -
 _WHOLE = 1 << 1024
 
 
+class _Done:
+    """``threading.Event`` for the root's wait on a pass: a raw lock, released once by
+    whoever ends the pass (under the pass's lock).  An Event's ``set`` and ``wait`` run
+    a Condition's Python code, microseconds each with the caches cold, on the path
+    from the last report to ``backward`` returning."""
+
+    __slots__ = ("_lock", "flag")
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._lock.acquire()
+        self.flag = False
+
+    def set(self) -> None:
+        if not self.flag:
+            self.flag = True
+            self._lock.release()
+
+    def is_set(self) -> bool:
+        return self.flag
+
+    def wait(self, timeout: float | None = None) -> bool:
+        if self.flag:
+            return True
+        if self._lock.acquire(True, -1 if timeout is None else timeout):
+            self._lock.release()  # (another waiter, if any, goes on too)
+        return self.flag
+
+
 class _Pass:
     """The root's record of one distributed backward pass (weight-throwing termination).
 
@@ -224,7 +252,7 @@ class _Pass:
     def __init__(self, root: int) -> None:
         self.held: dict[int, int] = {root: _WHOLE}
         self.failure: tuple | None = None
-        self.done = threading.Event()
+        self.done = _Done()
         self.lock = threading.Lock()
         self.progress = time.monotonic()
 
@@ -519,8 +547,11 @@ def _wait(c, rec: _Pass) -> None:
     with c._lock:
         c.backward_passes += 1
     try:
-        with pool.blocking() if pool is not None else contextlib.nullcontext():
+        if pool is None:
             _wait_loop(c, rec, timeout)
+        else:
+            with pool.blocking():
+                _wait_loop(c, rec, timeout)
     finally:
         with c._lock:
             c.backward_passes -= 1
