@@ -138,9 +138,12 @@ class DistributedOptimizer:
                 find autograd context with id"); or a step failed (the first error).
         """
         _context.container().get(context_id)
+        agent = api._require_agent()
         prev = ser.set_grad_context(None)
         try:
-            futs = [api.rpc_async(r.owner(), _local_step, args=(r, context_id))
+            # waited for below, after this worker's own step: replies, not futures
+            futs = [agent.call(r.owner(), _local_step, (r, context_id), None,
+                               agent.rpc_timeout, None, True)
                     for r in self.remote_optimizers if not r.is_owner()]
         finally:
             ser.set_grad_context(prev)
