@@ -435,18 +435,32 @@ class Connection:
         with self._qlock:
             if self.closed:
                 raise ConnectionClosedError(f"connection to rank {self.peer_rank} is closed")
-            self._queue.extend(parts)
-            if type(parts[0]) is _Fds:
-                self._fd_frames += 1
-            if token:
-                self._cma_hold[token] = tensors  # until the peer's RELEASE
-            elif tensors:
-                self._keep.append(tensors)
             self.frames_out += 1
             self.bytes_out += size
-            if self._flushing:
-                return
+            if token:
+                self._cma_hold[token] = tensors  # until the peer's RELEASE
+            # Nobody writing (so nothing queued) and no descriptors: this thread writes
+            # its frame straight away, without the queue (``tensors``, a local here,
+            # keeps the buffers alive meanwhile).
+            direct = not self._flushing and type(parts[0]) is not _Fds
+            if not direct:
+                self._queue.extend(parts)
+                if type(parts[0]) is _Fds:
+                    self._fd_frames += 1
+                if tensors and not token:
+                    self._keep.append(tensors)
+                if self._flushing:
+                    return
             self._flushing = True
+        if direct:
+            try:
+                self._sendall(parts)
+            except OSError as exc:
+                self._write_failed(exc)
+            with self._qlock:
+                if not self._queue:  # (nobody queued a frame meanwhile)
+                    self._flushing = False
+                    return
         self._flush()
 
     def _flush(self) -> None:
@@ -469,18 +483,21 @@ class Connection:
             except OSError as exc:
                 if with_fds:
                     _close_fds(parts)
-                with self._qlock:
-                    self._flushing = False
-                    dropped, self._queue = self._queue, []
-                    self._fd_frames = 0
-                    self._keep = []
-                _close_fds(dropped)
-                self.close(exc)
-                raise ConnectionClosedError(
-                    f"write to rank {self.peer_rank} failed: {exc}") from exc
+                self._write_failed(exc)
             if with_fds:
                 _close_fds(parts)
             del keep
+
+    def _write_failed(self, exc: OSError) -> None:
+        """The writing thread's write failed: drop what is queued, close, and raise."""
+        with self._qlock:
+            self._flushing = False
+            dropped, self._queue = self._queue, []
+            self._fd_frames = 0
+            self._keep = []
+        _close_fds(dropped)
+        self.close(exc)
+        raise ConnectionClosedError(f"write to rank {self.peer_rank} failed: {exc}") from exc
 
     # ------------------------------------------------------------------ reading
 
