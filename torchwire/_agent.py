@@ -55,7 +55,6 @@ import threading
 import time
 import traceback
 import weakref
-from functools import partial
 
 import torch
 
@@ -667,8 +666,8 @@ class RpcAgent:
     def _on_frames(self, conn, frames, inline_ok: bool = False):
         """Reader thread: dispatch a batch of decoded frames.
 
-        Returns a list of callables when the batch ends the buffer and holds a few
-        requests (``_INLINE_MAX``): the reader runs them itself, in order (see
+        Returns the requests as ``(function, args)`` when the batch ends the buffer and
+        holds a few (``_INLINE_MAX``): the reader runs them itself, in order (see
         ``Connection._read_loop``; a ``remote()`` followed by ``to_here()``
         typically arrives as two).
         """
@@ -688,7 +687,7 @@ class RpcAgent:
                 self._received += len(work)
                 self._recv_from[conn.peer_rank] += len(work)
             if inline_ok and len(work) <= _INLINE_MAX:
-                return [partial(fn, *args) for fn, args in work]
+                return work  # [(function, args)]
             self._pool.submit_many(work)
         return None
 

@@ -505,7 +505,7 @@ class Connection:
         """Read until the connection ends, or until the reading is handed off.
 
         Inline runs (leader/follower, lazily): when a read leaves a few requests
-        and an empty buffer, ``on_frames`` may return them as callables, and this
+        and an empty buffer, ``on_frames`` may return them (``(function, args)``), and this
         thread runs them itself, in order: they skip the reader -> pool hand-off on
         their way to execution.  Meanwhile nobody reads, so the reading is handed
         to another thread (``spawn``; a fresh buffer, as there is no state to pass;
@@ -770,31 +770,33 @@ class Connection:
                     inline = None
 
     def _run_inline(self, requests) -> bool:
-        """Run ``requests`` (callables) in order on this reader thread; True if the
+        """Run ``requests`` (``(function, args)``) in order on this reader thread; True if the
         reading was handed off meanwhile (this thread must then stop reading; the
         requests not started by then went to the pool)."""
         _intraop.share_thread()
         run = _InlineRun(self, requests)
         t0 = run.started
+        # the first request is taken before the watchdog sees the run (nobody else can)
+        fn, args = run.rest.popleft()
         _watchdog.begin(run, self._fast_runs >= _TRUST_AFTER)
         local = _threads._local  # (set_io / set_inline_run, without two calls each)
         local.io = False
         local.inline = run
         try:
-            while True:
-                request = run.next()
-                if request is None:
-                    break
+            while fn is not None:
                 try:
-                    request()
+                    fn(*args)
                 except Exception:  # requests report their own errors; this is a bug
                     log.exception("torchwire: request from rank %s failed in place",
                                   self.peer_rank)
-                request = None
+                fn = args = None
+                fn, args = run.next()
         finally:
             local.inline = None
             local.io = True
-        handed = _watchdog.end(run)
+            if not run.done:  # left by an exception: the run is over all the same
+                _watchdog.end(run)
+        handed = run.handed
         if handed or time.monotonic() - t0 >= _FAST_S:
             self._fast_runs = 0
         else:
@@ -856,11 +858,14 @@ class _InlineRun:
         self.handed = False
         self.done = False
 
-    def next(self):
-        """The next request to run here, or None (all done, or handed off)."""
+    def next(self) -> tuple:
+        """``(function, args)`` of the next request to run here; or ``(None, None)``
+        when all are done or the rest were handed off: the run is then over."""
         with _watchdog.lock:
             if self.handed or not self.rest:
-                return None
+                self.done = True
+                _watchdog.runs.discard(self)
+                return None, None
             self.started = time.monotonic()
             return self.rest.popleft()
 
@@ -875,8 +880,8 @@ class _InlineRun:
             _watchdog.handed += 1
             rest, self.rest = list(self.rest), collections.deque()
         try:
-            for request in rest:
-                self.conn._defer(request)
+            for fn, args in rest:
+                self.conn._defer(fn, *args)
             self.conn._spawn(self.conn._read_loop)
         except Exception:  # the pool is shut down: the connection is closing anyway
             log.debug("torchwire: no thread to go on reading rank %s", self.conn.peer_rank,
