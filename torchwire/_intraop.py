@@ -38,7 +38,9 @@ def _find_omp():
     try:
         with open("/proc/self/maps") as f:
             paths = {line.split()[-1] for line in f if "libgomp" in line or "libiomp" in line}
-        return ctypes.CDLL(sorted(paths)[0]) if paths else None
+        # PyDLL: the calls keep the GIL (they only set a thread's count; a CDLL call
+        # would release and take it back, a chance for another thread to take it)
+        return ctypes.PyDLL(sorted(paths)[0]) if paths else None
     except (OSError, IndexError):
         return None
 
@@ -53,8 +55,8 @@ def _find_mkl_local():
     if not torch.backends.mkl.is_available():
         return None
     try:
-        lib = ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib",
-                                       "libtorch_cpu.so"))
+        lib = ctypes.PyDLL(os.path.join(os.path.dirname(torch.__file__), "lib",
+                                        "libtorch_cpu.so"))
         fn = lib.MKL_Set_Num_Threads_Local
     except (OSError, AttributeError):
         return None

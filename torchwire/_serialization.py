@@ -310,32 +310,37 @@ def plain_call(func, args, kwargs, dest: int) -> tuple[bytes, list, SendContext 
         return None
     cid = _grad.context
     rrefs = _plain_rref
+    metas = []  # (dtype number, shape, detached) of each tensor argument, in order
     for a in args:  # every argument first: nothing is recorded for a pickled call
         t = type(a)
         if t is torch.Tensor:
             if a.requires_grad:
-                if cid is None or _grad_hook is None or plain_meta(a.detach()) is None:
+                if cid is None or _grad_hook is None:
                     return None
-            elif plain_meta(a) is None:
+                d = a.detach()
+            else:
+                d = a
+            meta = plain_meta(d)
+            if meta is None:
                 return None
+            metas.append((meta[0], meta[1], d))
         elif t not in _SCALARS and not (rrefs is not None and t is rrefs[0]
                                         and rrefs[1].can(a, dest)):
             return None
     send = SendContext(dest, True)
     descs, tensors = [], []
+    k = 0
     for a in args:
         t = type(a)
         if t is torch.Tensor:
-            if a.requires_grad:
-                d = a.detach()
-                code, shape = plain_meta(d)
+            code, shape, d = metas[k]
+            k += 1
+            if d is not a:  # requires grad: a send entry
                 rank, sid = _grad_hook.record(cid, a)
                 descs.append((_ARG_GRAD, code, shape, rank, sid))
-                tensors.append(d)
             else:
-                code, shape = plain_meta(a)
                 descs.append((_ARG_TENSOR, code, shape))
-                tensors.append(a)
+            tensors.append(d)
         elif t in _SCALARS:
             descs.append((_ARG_VALUE, a))
         else:
