@@ -36,6 +36,7 @@ def _call_method(method, rref, *args):
 
 def body_matches_local(opt_name, steps):
     opt_class, kwargs = {"sgd": (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9}),
+                         "plain_sgd": (torch.optim.SGD, {"lr": 0.1}),
                          "adam": (torch.optim.Adam, {"lr": 0.01})}[opt_name]
     s1 = rpc.remote("worker1", make_stage, args=(4, 6, 31))
     s2 = rpc.remote("worker2", make_stage, args=(6, 2, 32))
@@ -66,9 +67,51 @@ def body_matches_local(opt_name, steps):
             torch.testing.assert_close(p, q)
 
 
-@pytest.mark.parametrize("opt_name", ["sgd", "adam"])
+@pytest.mark.parametrize("opt_name", ["sgd", "plain_sgd", "adam"])
 def test_distributed_optimizer_equals_local_training(world, opt_name):
     world.run(0, body_matches_local, opt_name, 5)
+
+
+@pytest.mark.parametrize("kwargs, plain", [
+    ({"lr": 0.1}, True),
+    ({"lr": 3}, True),
+    ({"lr": 0.1, "foreach": False}, True),
+    ({"lr": 0.1, "momentum": 0.9}, False),
+    ({"lr": 0.1, "weight_decay": 0.01}, False),
+    ({"lr": 0.1, "maximize": True}, False),
+    ({"lr": 0.1, "foreach": True}, False),
+    ({"lr": torch.tensor(0.1)}, False),
+])
+def test_plain_sgd_steps_exactly_as_torchs_sgd(kwargs, plain):
+    # The local optimizers' step for plain SGD (param.add_(grad, alpha=-lr)) must give
+    # the very bits torch.optim.SGD.step gives; any other setting takes torch's step.
+    from torchwire.optim._optimizer import _plain_sgd_step
+    g = torch.Generator().manual_seed(1)
+    dense = [torch.randn(5, 3, generator=g), torch.randn(7, generator=g)]
+    sparse_grad = torch.sparse_coo_tensor([[0, 2, 2]], torch.randn(3, 4, generator=g), (6, 4),
+                                          check_invariants=True)
+    # (torch's SGD cannot add a weight decay to a sparse gradient)
+    for with_sparse in (False,) if "weight_decay" in kwargs else (False, True):
+        values = dense + ([torch.randn(6, 4, generator=g)] if with_sparse else [])
+        ours = [v.clone().requires_grad_() for v in values]
+        theirs = [v.clone().requires_grad_() for v in values]
+        for step in range(3):
+            grads = [torch.randn(v.shape, generator=g) for v in dense]
+            if with_sparse:
+                grads.append(sparse_grad * (step + 1))
+            grads[1] = None if step == 1 else grads[1]  # a parameter without a gradient
+            for params in (ours, theirs):
+                for p, gr in zip(params, grads):
+                    p.grad = gr
+            o = torch.optim.SGD(ours, **kwargs)
+            t = torch.optim.SGD(theirs, **kwargs)
+            assert _plain_sgd_step(o) is plain
+            if not plain:
+                o.step()
+            t.step()
+            for a, b in zip(ours, theirs):
+                assert torch.equal(a, b)
+            assert all(p.requires_grad for p in ours) and torch.is_grad_enabled()
 
 
 class ProbeSGD(torch.optim.SGD):
