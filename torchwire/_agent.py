@@ -97,7 +97,6 @@ class _Peer:
         self.out = None
 
 
-
 class LoopbackConnection:
     """Calls to oneself: same serialization (copy semantics), no socket."""
 
