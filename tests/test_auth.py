@@ -24,7 +24,7 @@ import torch
 import torchwire.rpc as rpc
 from _cluster import new_init_method, options, run_world
 from torchwire import _serialization as ser
-from torchwire._errors import AuthenticationError, ProtocolError
+from torchwire import AuthenticationError, ProtocolError
 from torchwire._wire import frame as F
 from torchwire._wire.auth import CHALLENGE, HELLO, JobAuth, client_handshake, server_handshake
 from torchwire._wire.listener import Listener

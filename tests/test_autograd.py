@@ -958,7 +958,7 @@ def probed_threads():
 
 
 def body_thread_probe(numel):
-    from torchwire import _intraop
+    from torchwire._base import intraop as _intraop
     prev = torch.get_num_threads()
     torch.set_num_threads(2)  # this thread's setting (the suite runs with 1)
     try:
@@ -980,7 +980,7 @@ def body_thread_probe(numel):
 
 @pytest.mark.parametrize("small", [True, False])
 def test_small_passes_run_single_threaded_and_restore_the_setting(world, small):
-    from torchwire._intraop import SERIAL_MAX_ELEMENTS
+    from torchwire._base.intraop import SERIAL_MAX_ELEMENTS
     numel = 64 if small else SERIAL_MAX_ELEMENTS
     gx, x, gw, probed, before, after, omp, share, cpus = world.run(0, body_thread_probe,
                                                                    numel)

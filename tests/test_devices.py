@@ -11,7 +11,7 @@ import torch
 
 import torchwire.rpc as rpc
 from _cluster import run_world
-from torchwire import _devices
+from torchwire._base import devices as _devices
 
 cuda = torch.device("cuda", 0)
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

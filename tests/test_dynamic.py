@@ -19,8 +19,8 @@ import torch.distributed as dist
 import torchwire
 import torchwire.rpc as rpc
 from _cluster import die, new_init_method, run_world, wait_until
-from torchwire._membership import read_members
-from torchwire._rendezvous import PREFIX
+from torchwire._bootstrap.membership import read_members
+from torchwire._bootstrap.rendezvous import PREFIX
 from torchwire._wire.listener import host_identity, listener_alive
 
 _ctx = mp.get_context("fork")

@@ -22,7 +22,8 @@ import torch.distributed as dist
 import torchwire
 import torchwire.rpc as rpc
 from _cluster import new_init_method, run_world
-from torchwire._rendezvous import PREFIX, check_worker_name, wait_count
+from torchwire._base.worker_info import check_worker_name
+from torchwire._bootstrap.rendezvous import PREFIX, wait_count
 from torchwire.rpc.api import _get_current_rpc_agent
 
 # Keeps failed-init exceptions (and, through their tracebacks, the store objects)

@@ -587,7 +587,7 @@ def ordered_callbacks():
 
 
 def test_a_future_completing_while_a_callback_is_added_runs_it_once_without_deadlock():
-    from torchwire._future import Future
+    from torchwire._agent.future import Future
 
     class CompletesRightAfterTheCheck(Future):
         """Completes between ``done()`` saying no and the callback's registration."""
@@ -922,7 +922,7 @@ def _first_parallel_ops_together(q, init):
     # made a no-op, this test failed in 4 runs of 4 ("pool INTERNAL ASSERT FAILED ...
     # Invalid thread pool!"), the end-to-end one below in 3 of 4, and ./run compat
     # in 2 of ~24 runs (torch's reinforcement-learning example).
-    from torchwire import _intraop
+    from torchwire._base import intraop as _intraop
     errors = []
     start = threading.Barrier(6)
 
@@ -994,7 +994,7 @@ def test_requests_use_this_workers_share_of_the_hosts_cpus():
         import os
 
         from _cluster import options
-        from torchwire import _intraop
+        from torchwire._base import intraop as _intraop
         torch.set_num_threads(2)  # this process's setting, before torchwire's threads
         rpc.init_rpc(f"worker{rank}", rank=rank, world_size=world_size,
                      rpc_backend_options=options(init_method))
@@ -1022,7 +1022,7 @@ def test_requests_use_this_workers_share_of_the_hosts_cpus():
 
 def test_a_sync_reply_hands_over_its_value_or_a_fresh_copy_of_its_error():
     # rpc_sync's reply object (a lock the reader releases, not a torch future)
-    from torchwire._future import SyncReply
+    from torchwire._agent.future import SyncReply
     ok = SyncReply()
     assert not ok.done()
     threading.Timer(0.05, ok.set_result, args=([1, 2],)).start()

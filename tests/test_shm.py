@@ -29,7 +29,7 @@ import torch
 
 import torchwire.rpc as rpc
 from _cluster import run_world, wait_until
-from torchwire._errors import ProtocolError
+from torchwire import ProtocolError
 from torchwire._wire import connection, shm
 from torchwire._wire import frame as F
 

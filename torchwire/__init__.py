@@ -4,7 +4,7 @@ Public packages: :mod:`torchwire.rpc`, :mod:`torchwire.autograd`, :mod:`torchwir
 :mod:`torchwire.nn`.  Errors are re-exported here too.
 """
 
-from ._errors import (AuthenticationError, ConnectionClosedError, ProtocolError, RemoteError,
+from ._base.errors import (AuthenticationError, ConnectionClosedError, ProtocolError, RemoteError,
                       RendezvousError, RpcStateError, RpcTimeoutError, SerializationError,
                       TorchwireError, UnknownWorkerError, WorkerUnavailableError,
                       InvalidWorkerNameError)

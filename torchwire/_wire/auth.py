@@ -37,7 +37,7 @@ import socket
 import struct
 import time
 
-from .._errors import AuthenticationError, ProtocolError
+from .._base.errors import AuthenticationError, ProtocolError
 from . import frame as F
 from .tls import TlsConfig, settimeout_until
 

@@ -19,6 +19,7 @@ ones until it fits (one larger than the bound is freed).
 
 from __future__ import annotations
 
+import ctypes
 import threading
 import weakref
 
@@ -111,3 +112,14 @@ def set_cache_limit(limit: int) -> None:
     _pool.limit = limit
     if limit == 0:
         _pool.clear()
+
+
+def byte_view(t: torch.Tensor, nbytes: int) -> memoryview:
+    """A writable byte memoryview over the first ``nbytes`` of ``t``'s data.
+
+    The view does not keep ``t`` alive: the caller must hold ``t`` while the
+    view is in use.
+    """
+    if nbytes == 0:
+        return memoryview(bytearray(0))
+    return memoryview((ctypes.c_ubyte * nbytes).from_address(t.data_ptr())).cast("B")

@@ -29,12 +29,11 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 
-from .. import _intraop, _threads
-from .._errors import ConnectionClosedError, ProtocolError
-from .._serialization import byte_view
+from .._base import intraop as _intraop, threads as _threads
+from .._base.errors import ConnectionClosedError, ProtocolError
 from . import cma, shm
 from . import frame as F
-from .buffers import receive_buffer
+from .buffers import byte_view, receive_buffer
 
 log = logging.getLogger("torchwire")
 

@@ -22,7 +22,8 @@ from __future__ import annotations
 import enum
 import struct
 
-from .._errors import ProtocolError
+from .._base.errors import ProtocolError
+from .._base.options import DEFAULT_MAX_MESSAGE_SIZE
 
 MAGIC = b"TW"
 # 2: the handshake became an HMAC challenge-response (CHALLENGE frame, see auth.py).
@@ -37,7 +38,6 @@ HEADER_SIZE = HEADER.size  # 32
 BUFLEN = struct.Struct("<Q")
 
 # Defaults for the limits a reader enforces; the agent passes its options.
-DEFAULT_MAX_MESSAGE_SIZE = 1 << 40  # 1 TiB: effectively "what the process can hold"
 MAX_BUFFERS = 1 << 20
 
 

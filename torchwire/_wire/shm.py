@@ -54,8 +54,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from .._errors import ConnectionClosedError, ProtocolError
-from .._threads import in_io_thread
+from .._base.errors import ConnectionClosedError, ProtocolError
+from .._base.threads import in_io_thread
 
 HOW_FD = 1  # the segment's descriptor travels with the frame
 HOW_BACK = 2  # a segment of the receiver's own, returned unmodified

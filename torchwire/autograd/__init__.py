@@ -22,9 +22,9 @@ Example::
 from __future__ import annotations
 
 from .. import _serialization as ser
-from . import _recording  # noqa: F401 - installs the serialization hook
-from ._backward import backward, get_gradients
-from ._context import DistAutogradContext, container
+from .._autograd import recording as _recording  # noqa: F401 - installs the serialization hook
+from .._autograd.backward import backward, get_gradients
+from .._autograd.context import DistAutogradContext, container
 
 __all__ = ["context", "backward", "get_gradients", "is_available"]
 
@@ -80,7 +80,7 @@ def _release_context(context_id: int) -> None:
         ser.set_grad_context(None)
     c = container()
     if c.release(context_id) is None:
-        from ._context import not_found
+        from .._autograd.context import not_found
         raise not_found(context_id)
 
 

@@ -7,7 +7,7 @@ from torch import nn
 
 from .. import _serialization as ser
 from .. import rpc
-from .._errors import RpcStateError
+from .._base.errors import RpcStateError
 
 
 def _parse_remote_device(remote_device: str) -> tuple:

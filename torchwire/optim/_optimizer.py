@@ -18,7 +18,7 @@ import torch
 from .. import _serialization as ser
 from .._rref import RRef
 from ..rpc import api
-from ..autograd import _context
+from .._autograd import context as _context
 
 
 class _LocalOptimizer:

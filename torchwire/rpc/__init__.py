@@ -6,11 +6,11 @@ Port a program by changing ``import torch.distributed.rpc as rpc`` to
 
 from __future__ import annotations
 
-from .._errors import (ConnectionClosedError, ProtocolError, RemoteError, RendezvousError,
+from .._base.errors import (ConnectionClosedError, ProtocolError, RemoteError, RendezvousError,
                        RpcStateError, RpcTimeoutError, SerializationError, TorchwireError,
                        UnknownWorkerError, WorkerUnavailableError, InvalidWorkerNameError)
-from .._future import Future, install_wait_all
-from .._worker_info import WorkerInfo
+from .._agent.future import Future, install_wait_all
+from .._base.worker_info import WorkerInfo
 from . import constants, functions, internal  # noqa: F401
 from .._rref import RRef
 from . import api  # noqa: F401 - torch has rpc.api too
@@ -19,10 +19,10 @@ from .api import _delete_all_user_and_unforked_owner_rrefs  # noqa: F401
 from .api import _get_current_rpc_agent, _rref_context_get_debug_info  # noqa: F401
 from .api import (get_rpc_timeout, get_worker_info, init_rpc, is_available, remote,
                   rpc_async, rpc_sync, shutdown, stats)
-from ._options import (DEFAULT_INIT_METHOD, DEFAULT_NUM_WORKER_THREADS, DEFAULT_RPC_TIMEOUT_SEC,
-                       DEFAULT_SHUTDOWN_TIMEOUT, UNSET_RPC_TIMEOUT, BackendType,
-                       RpcBackendOptions, TensorPipeRpcBackendOptions,
-                       TorchwireRpcBackendOptions)
+from .._base.options import (DEFAULT_INIT_METHOD, DEFAULT_NUM_WORKER_THREADS,
+                             DEFAULT_RPC_TIMEOUT_SEC, DEFAULT_SHUTDOWN_TIMEOUT, UNSET_RPC_TIMEOUT,
+                             BackendType, RpcBackendOptions, TensorPipeRpcBackendOptions,
+                             TorchwireRpcBackendOptions)
 
 __all__ = [
     "init_rpc", "shutdown", "rpc_sync", "rpc_async", "remote", "RRef", "get_worker_info",

@@ -11,8 +11,8 @@ from __future__ import annotations
 import logging
 import threading
 
-from .. import _threads
-from ._options import DEFAULT_SHUTDOWN_TIMEOUT, UNSET_RPC_TIMEOUT
+from .._base import threads as _threads
+from .._base.options import DEFAULT_SHUTDOWN_TIMEOUT, UNSET_RPC_TIMEOUT
 
 log = logging.getLogger("torchwire")
 

@@ -12,21 +12,24 @@ import time
 
 import torch
 
-from .. import _devices, _membership, _rref
+from .. import _rref
+from .._base import devices as _devices
+from .._bootstrap import membership as _membership
 from .. import _serialization as ser
 from .._agent import AgentState, RpcAgent
-from .._errors import RendezvousError, RpcStateError
-from .._future import Future
+from .._base.errors import RendezvousError, RpcStateError
+from .._agent.future import Future
 from .._rref import RRef
-from .._rendezvous import check_worker_name, hosts_store, join, open_store
+from .._base.worker_info import check_worker_name
+from .._bootstrap.rendezvous import hosts_store, join, open_store
 from .._wire import cma, shm
 from .._wire.auth import JobAuth
 from .._wire.listener import Listener, host_identity
-from .._worker_info import WorkerInfo
+from .._base.worker_info import WorkerInfo
 from . import _gather
 from ._gather import _all_gather, _barrier, _wait_all_workers  # noqa: F401 - torch's private API
-from ._options import channel_allowed
-from ._options import (DEFAULT_SHUTDOWN_TIMEOUT, UNSET_RPC_TIMEOUT, BackendType,
+from .._base.options import channel_allowed
+from .._base.options import (DEFAULT_SHUTDOWN_TIMEOUT, UNSET_RPC_TIMEOUT, BackendType,
                        RpcBackendOptions, TorchwireRpcBackendOptions)
 
 log = logging.getLogger("torchwire")

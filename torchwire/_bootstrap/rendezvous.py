@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import secrets
 import socket
 import time
@@ -35,7 +34,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from ._errors import InvalidWorkerNameError, RendezvousError
+from .._base.errors import RendezvousError
 
 PREFIX = "torchwire"
 # torch's WorkerInfo id is an int16: the largest rank a dynamic group accepts.
@@ -43,32 +42,6 @@ MAX_RANK = 2**15 - 1
 # torch's phrase, kept whole: ported code and torch's tests match on it.
 MIXED_GROUPS = ("RPC group mixes statically and dynamically initialized members which is not "
                 "supported.")
-_NAME_RE = re.compile(r"[A-Za-z0-9_:\-]+")
-MAX_NAME_LEN = 128
-
-
-def check_worker_name(name) -> None:
-    """Apply torch's rule for worker names.
-
-    Raises:
-        ValueError: not a string, empty, too long, or has characters outside
-            letters, digits, ``_``, ``-`` and ``:``.
-    """
-    # Messages keep torch's phrases ("must be non-empty", "shorter than 128",
-    # "Worker name must match"): ported error handling matches on them.
-    if not isinstance(name, str):
-        raise InvalidWorkerNameError(f"worker name must be a str, got {type(name).__name__}")
-    if not name:
-        raise InvalidWorkerNameError("Worker name must be non-empty")
-    if len(name) >= MAX_NAME_LEN:
-        raise InvalidWorkerNameError(
-            f"Worker name must be shorter than {MAX_NAME_LEN} characters, got {len(name)}")
-    if not _NAME_RE.fullmatch(name):
-        raise InvalidWorkerNameError(
-            f"Worker name must match ^[A-Za-z0-9-_:]*$ (letters, digits, '_', '-', ':'), "
-            f"got {name!r}")
-
-
 def _env_int(key: str, what: str) -> int:
     value = os.environ.get(key)
     if value is None:

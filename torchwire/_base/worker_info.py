@@ -1,6 +1,35 @@
-"""``WorkerInfo``: a worker's name and id (its rank)."""
+"""``WorkerInfo``: a worker's name and id (its rank), and torch's rule for names."""
 
 from __future__ import annotations
+
+import re
+
+from .errors import InvalidWorkerNameError
+
+_NAME_RE = re.compile(r"[A-Za-z0-9_:\-]+")
+MAX_NAME_LEN = 128
+
+
+def check_worker_name(name) -> None:
+    """Apply torch's rule for worker names.
+
+    Raises:
+        ValueError: not a string, empty, too long, or has characters outside
+            letters, digits, ``_``, ``-`` and ``:``.
+    """
+    # Messages keep torch's phrases ("must be non-empty", "shorter than 128",
+    # "Worker name must match"): ported error handling matches on them.
+    if not isinstance(name, str):
+        raise InvalidWorkerNameError(f"worker name must be a str, got {type(name).__name__}")
+    if not name:
+        raise InvalidWorkerNameError("Worker name must be non-empty")
+    if len(name) >= MAX_NAME_LEN:
+        raise InvalidWorkerNameError(
+            f"Worker name must be shorter than {MAX_NAME_LEN} characters, got {len(name)}")
+    if not _NAME_RE.fullmatch(name):
+        raise InvalidWorkerNameError(
+            f"Worker name must match ^[A-Za-z0-9-_:]*$ (letters, digits, '_', '-', ':'), "
+            f"got {name!r}")
 
 
 class WorkerInfo:
@@ -17,7 +46,6 @@ class WorkerInfo:
     __slots__ = ("name", "id")
 
     def __init__(self, name: str, id: int) -> None:  # noqa: A002 - torch's argument name
-        from ._rendezvous import check_worker_name
         check_worker_name(name)
         self.name = name
         self.id = id

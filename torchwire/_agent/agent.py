@@ -58,22 +58,23 @@ import weakref
 
 import torch
 
-from . import _devices, _intraop, _threads
-from . import _serialization as ser
-from ._errors import (ConnectionClosedError, ProtocolError, RpcStateError, RpcTimeoutError,
+from .._base import devices as _devices, intraop as _intraop, threads as _threads
+from .. import _serialization as ser
+from .._base.errors import (ConnectionClosedError, ProtocolError, RpcStateError, RpcTimeoutError,
                       SerializationError, WorkerUnavailableError)
-from ._future import Deferred, Future, SyncReply, set_dispatcher
-from ._liveness import DEFAULT_HEARTBEAT_INTERVAL, DEFAULT_HEARTBEAT_TIMEOUT, PeerHealth
-from ._pool import WorkerPool
-from ._timer import DeadlineTimer
-from ._wire import cma, shm
-from ._wire import frame as F
-from ._wire.auth import JobAuth, client_handshake, server_handshake
-from ._wire.connection import Connection, LaneRegistry
-from ._wire.listener import (Listener, connect_tcp, connect_unix, host_identity,
+from .future import Deferred, Future, SyncReply, set_dispatcher
+from .liveness import PeerHealth
+from .pool import WorkerPool
+from .timer import DeadlineTimer
+from .._wire import cma, shm
+from .._wire import frame as F
+from .._wire.auth import JobAuth, client_handshake, server_handshake
+from .._wire.connection import Connection, LaneRegistry
+from .._wire.listener import (Listener, connect_tcp, connect_unix, host_identity,
                               listener_alive)
-from ._worker_info import WorkerInfo
-from .rpc._options import channel_allowed
+from .._base.worker_info import WorkerInfo
+from .._base.options import (DEFAULT_HEARTBEAT_INTERVAL, DEFAULT_HEARTBEAT_TIMEOUT,
+                             channel_allowed)
 
 log = logging.getLogger("torchwire")
 
@@ -1200,14 +1201,14 @@ def _balanced(records: dict[int, str], world: int) -> bool | None:
 
 
 def _unknown(what: str):
-    from ._errors import UnknownWorkerError
+    from .._base.errors import UnknownWorkerError
     # "could not find destination" is torch's phrase; ported error handling matches on it
     return UnknownWorkerError(f"Unknown destination worker {what}: could not find destination "
                               f"name {what} among this job's workers")
 
 
 def ser_protocol_error(kind: int):
-    from ._errors import ProtocolError
+    from .._base.errors import ProtocolError
     return ProtocolError(f"unexpected frame kind {kind} on an established connection")
 
 

@@ -54,11 +54,11 @@ import logging
 import secrets
 import time
 
-from . import _devices
-from ._agent import AgentState
-from ._errors import RendezvousError, RpcStateError, RpcTimeoutError, WorkerUnavailableError
-from ._rendezvous import claim_group_kind, security_disagreement
-from ._wire.listener import host_identity, listener_alive
+from .._base import devices as _devices
+from .._agent import AgentState
+from .._base.errors import RendezvousError, RpcStateError, RpcTimeoutError, WorkerUnavailableError
+from .rendezvous import claim_group_kind, security_disagreement
+from .._wire.listener import host_identity, listener_alive
 
 log = logging.getLogger("torchwire")
 

@@ -22,7 +22,7 @@ import logging
 import threading
 import time
 
-from . import _intraop, _threads
+from .._base import intraop as _intraop, threads as _threads
 
 log = logging.getLogger("torchwire")
 

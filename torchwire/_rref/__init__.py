@@ -48,10 +48,10 @@ import weakref
 
 import torch
 
-from . import _serialization as ser
-from . import _threads
-from ._errors import RpcStateError, RpcTimeoutError, WorkerUnavailableError
-from ._future import Deferred, Future
+from .. import _serialization as ser
+from .._base import threads as _threads
+from .._base.errors import RpcStateError, RpcTimeoutError, WorkerUnavailableError
+from .._agent.future import Deferred, Future
 
 log = logging.getLogger("torchwire")
 
@@ -292,7 +292,7 @@ class RRef:
                 ("RRef should contain a tensor for .backward()"); the context does
                 not exist on the owner, or the backward pass failed.
         """
-        from .autograd import _backward  # the layer above, loaded on use
+        from .._autograd import backward as _backward  # the layer above, loaded on use
         _backward.rref_backward(self, dist_autograd_ctx_id, retain_graph)
 
     def _get_future(self):
@@ -398,7 +398,7 @@ def _import_api():
     """The API module, imported on first use: an import statement in a call's path
     costs microseconds with cold caches."""
     global _rpc_api
-    from .rpc import api
+    from ..rpc import api
     _rpc_api = api
     return api
 
@@ -780,7 +780,7 @@ class RRefContext:
 
     def all_arrived(self) -> None:
         """Every worker is shutting down: delete every user RRef (torch does the same)."""
-        from .rpc import api
+        from ..rpc import api
         api._delete_all_user_and_unforked_owner_rrefs()
 
     def delete_all_users(self) -> None:

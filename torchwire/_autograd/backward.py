@@ -42,10 +42,10 @@ import traceback
 import torch
 
 from .. import _serialization as ser
-from .. import _intraop, _threads
-from .._errors import ProtocolError, RemoteError, RpcTimeoutError, WorkerUnavailableError
-from ._context import DistAutogradContext, container
-from ._recording import _anchor, _pass
+from .._base import intraop as _intraop, threads as _threads
+from .._base.errors import ProtocolError, RemoteError, RpcTimeoutError, WorkerUnavailableError
+from .context import DistAutogradContext, container
+from .recording import _anchor, _pass
 
 log = logging.getLogger(__name__)
 

@@ -18,7 +18,6 @@ that require grad in messages of such a context; nothing else reaches it.
 
 from __future__ import annotations
 
-import ctypes
 import importlib
 import io
 import marshal
@@ -31,7 +30,8 @@ from typing import Any, Callable
 
 import torch
 
-from ._errors import ProtocolError, RemoteError, SerializationError
+from .._base.errors import ProtocolError, RemoteError, SerializationError
+from .._wire.buffers import byte_view  # noqa: F401 - part of this layer's API
 
 _PROTOCOL = pickle.HIGHEST_PROTOCOL
 class _Tls(threading.local):
@@ -106,17 +106,6 @@ def set_grad_context(context_id) -> Any:
     """Set this thread's autograd context id; returns the previous one."""
     prev, _grad.context = _grad.context, context_id
     return prev
-
-
-def byte_view(t: torch.Tensor, nbytes: int) -> memoryview:
-    """A writable byte memoryview over the first ``nbytes`` of ``t``'s data.
-
-    The view does not keep ``t`` alive: the caller must hold ``t`` while the
-    view is in use.
-    """
-    if nbytes == 0:
-        return memoryview(bytearray(0))
-    return memoryview((ctypes.c_ubyte * nbytes).from_address(t.data_ptr())).cast("B")
 
 
 def tensor_nbytes(t: torch.Tensor) -> int:

@@ -18,7 +18,7 @@ from typing import Any, Callable
 
 import torch
 
-from . import _threads
+from .._base import threads as _threads
 
 log = logging.getLogger("torchwire")
 

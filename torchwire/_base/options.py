@@ -4,15 +4,16 @@ from __future__ import annotations
 
 import enum
 
-from .. import _devices
-from .._liveness import DEFAULT_HEARTBEAT_INTERVAL, DEFAULT_HEARTBEAT_TIMEOUT
-from .._wire.frame import DEFAULT_MAX_MESSAGE_SIZE
+from . import devices as _devices
 
 DEFAULT_RPC_TIMEOUT_SEC = 60.0
 DEFAULT_INIT_METHOD = "env://"
 DEFAULT_NUM_WORKER_THREADS = 16
 UNSET_RPC_TIMEOUT = -1.0
 DEFAULT_SHUTDOWN_TIMEOUT = 0.0
+DEFAULT_HEARTBEAT_INTERVAL = 1.0
+DEFAULT_HEARTBEAT_TIMEOUT = 10.0
+DEFAULT_MAX_MESSAGE_SIZE = 1 << 40  # 1 TiB: effectively "what the process can hold"
 
 
 class BackendType(enum.Enum):

@@ -14,7 +14,7 @@ import math
 import threading
 import time
 
-from . import _threads
+from .._base import threads as _threads
 
 log = logging.getLogger("torchwire")
 

@@ -25,8 +25,8 @@ import threading
 import torch
 
 from .. import _serialization as ser
-from .._future import Deferred, Future
-from ._context import container
+from .._agent.future import Deferred, Future
+from .context import container
 
 # The anchor: a leaf that every recv node takes as an input.  Local passes ask for
 # its gradient too, so the engine never prunes a recv node; it never gets one.

@@ -33,13 +33,11 @@ import logging
 import threading
 import time
 
-from ._errors import AuthenticationError, WorkerUnavailableError
-from ._wire import frame as F
+from .._base.errors import AuthenticationError, WorkerUnavailableError
+from .._wire import frame as F
 
 log = logging.getLogger("torchwire")
 
-DEFAULT_HEARTBEAT_INTERVAL = 1.0
-DEFAULT_HEARTBEAT_TIMEOUT = 10.0
 
 
 class PeerHealth:

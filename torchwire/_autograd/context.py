@@ -34,7 +34,7 @@ import torch
 import torch._prims_common as _prims
 
 from .. import _serialization as ser
-from .._errors import ProtocolError
+from .._base.errors import ProtocolError
 
 log = logging.getLogger("torchwire")
 
@@ -266,7 +266,7 @@ class ContextContainer:
     def peer_lost(self, rank: int, error: BaseException) -> None:
         """A backward pass rooted here fails if the lost worker holds part of it; the
         root of one that this worker sent gradients on to it hears of the loss."""
-        from ._backward import _failure, _report
+        from .backward import _failure, _report
         for rec in list(self.passes.values()):
             rec.lost(rank, lambda: _failure(rank, error, "", self.agent))
         with self._lock:
@@ -279,8 +279,8 @@ class ContextContainer:
 
     def close(self) -> None:
         """The agent is shut down: every pass still waiting here fails."""
-        from .._errors import RpcStateError
-        from ._backward import _failure
+        from .._base.errors import RpcStateError
+        from .backward import _failure
         err = RpcStateError("RPC agent is shut down before the backward pass completed")
         for rec in list(self.passes.values()):
             rec.abort(_failure(self.rank, err, "", self.agent))

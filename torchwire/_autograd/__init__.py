@@ -1,0 +1,1 @@
+"""Distributed autograd's machinery (the public API is :mod:`torchwire.autograd`)."""
