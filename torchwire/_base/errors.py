@@ -1,10 +1,34 @@
 """torchwire's exception hierarchy.
 
-Every error torchwire raises derives from :class:`TorchwireError`.  Families
-are grouped by cause (unavailable, timeout, protocol, closed, state,
-serialization, rendezvous).  Where code written for ``torch.distributed.rpc``
-catches ``RuntimeError``, the family also derives from ``RuntimeError`` so that
-such code keeps working after the import change.
+Every error torchwire raises derives from :class:`TorchwireError`.  Families are
+grouped by cause, with trio's distinction between a link *closed by us*
+(:class:`ConnectionClosedError`) and one *broken by the peer or the network*
+(:class:`ConnectionBrokenError`)::
+
+    TorchwireError
+    ├── RpcStateError            this worker is in the wrong state (not initialised, shut down)
+    ├── RendezvousError          workers could not find each other
+    ├── WorkerUnavailableError   the destination is gone or cannot be reached
+    ├── RpcTimeoutError          a call did not complete in time
+    ├── ProtocolError            a peer sent bytes that break the protocol
+    ├── AuthenticationError      a peer did not prove it belongs to the job
+    ├── LinkError                a link to one peer failed (wire layer)
+    │   ├── ConnectionClosedError    closed by this side
+    │   └── ConnectionBrokenError    broken by the peer or the network
+    │       └── ConnectError             could not be made (``refused``: nobody listens)
+    ├── SerializationError       a value could not be pickled or unpickled
+    ├── RemoteError              a remote exception whose type cannot be rebuilt here
+    ├── UnknownWorkerError       no worker has that name or rank (also ValueError)
+    ├── InvalidWorkerNameError   a name breaks torch's rule (also ValueError)
+    ├── RRefError                an RRef used the wrong way, or its value is gone
+    ├── DistAutogradError        distributed autograd: no such context, bad roots, a failed pass
+    ├── CallbackError            a future's callback raised
+    └── RemoteCallError          the function a request names cannot run as asked
+
+Where code written for ``torch.distributed.rpc`` catches ``RuntimeError`` (torch
+raises ``RuntimeError`` for all of these), the family derives from it too, so that
+such code keeps working after the import change.  Operating-system errors are
+mapped to these once, in the wire layer; nothing above it sees an ``OSError``.
 """
 
 from __future__ import annotations
@@ -17,11 +41,19 @@ __all__ = [
     "RpcTimeoutError",
     "ProtocolError",
     "AuthenticationError",
+    "LinkError",
     "ConnectionClosedError",
+    "ConnectionBrokenError",
+    "ConnectError",
     "SerializationError",
     "RemoteError",
     "UnknownWorkerError",
     "InvalidWorkerNameError",
+    "RRefError",
+    "DistAutogradError",
+    "CallbackError",
+    "RemoteCallError",
+    "not_initialized",
 ]
 
 
@@ -65,8 +97,30 @@ class AuthenticationError(TorchwireError, RuntimeError):
     """A connection's peer did not prove it knows the job secret, or refused our proof."""
 
 
-class ConnectionClosedError(TorchwireError, RuntimeError):
-    """An operation was attempted on a connection that is already closed."""
+class LinkError(TorchwireError, RuntimeError):
+    """A link (one connection to one peer) failed or is closed."""
+
+
+class ConnectionClosedError(LinkError):
+    """An operation was attempted on a connection that this side has closed."""
+
+
+class ConnectionBrokenError(LinkError):
+    """The peer or the network broke the connection: reset, closed mid-frame, a write
+    that failed.  The operating system's error is the ``__cause__``."""
+
+
+class ConnectError(ConnectionBrokenError):
+    """A connection to a peer could not be made.
+
+    Attributes:
+        refused: nothing listens at the peer's address any more (its process is
+            gone); retrying cannot help.
+    """
+
+    def __init__(self, message: str, refused: bool = False) -> None:
+        super().__init__(message)
+        self.refused = refused
 
 
 class SerializationError(TorchwireError, RuntimeError):
@@ -103,3 +157,39 @@ class UnknownWorkerError(TorchwireError, ValueError, RuntimeError):
     Derives from ``ValueError`` (it is a bad argument) and ``RuntimeError``
     (torch raises ``RuntimeError`` here).
     """
+
+
+class RRefError(TorchwireError, RuntimeError):
+    """An RRef was used the wrong way (``local_value()`` on a user, used after its
+    deletion, pickled outside RPC), or the value it names is gone."""
+
+
+class DistAutogradError(TorchwireError, RuntimeError):
+    """Distributed autograd: no such context, a context already open on this thread,
+    roots that cannot start a backward pass, or a pass that failed on some worker."""
+
+
+class CallbackError(TorchwireError, RuntimeError):
+    """A callback added with ``Future.then`` raised (its error is the ``__cause__``)."""
+
+
+class RemoteCallError(TorchwireError, RuntimeError):
+    """The function a request names cannot run as asked: a torch operator given
+    arguments that match none of its schemas, or an ``@async_execution`` function
+    that did not return a future."""
+
+
+def not_initialized(lookup: bool = False) -> RpcStateError:
+    """The error of every use of RPC before ``init_rpc`` or after ``shutdown``.
+
+    Args:
+        lookup: the caller looks the agent up (RRef constructors, ``RemoteModule``):
+            torch says "Current RPC agent is not set" there, and "RPC has not been
+            initialized" for the API functions; ported code matches on both.
+    """
+    if lookup:
+        return RpcStateError("Current RPC agent is not set! Did you initialize the RPC "
+                             "framework (torchwire.rpc.init_rpc)? It has not been initialized "
+                             "or has been shut down")
+    return RpcStateError("RPC has not been initialized, or has been shut down: call "
+                         "torchwire.rpc.init_rpc first")

@@ -6,9 +6,12 @@ Port a program by changing ``import torch.distributed.rpc as rpc`` to
 
 from __future__ import annotations
 
-from .._base.errors import (ConnectionClosedError, ProtocolError, RemoteError, RendezvousError,
-                       RpcStateError, RpcTimeoutError, SerializationError, TorchwireError,
-                       UnknownWorkerError, WorkerUnavailableError, InvalidWorkerNameError)
+from .._base.errors import (AuthenticationError, CallbackError, ConnectError,
+                            ConnectionBrokenError, ConnectionClosedError, DistAutogradError,
+                            InvalidWorkerNameError, LinkError, ProtocolError, RemoteCallError,
+                            RemoteError, RendezvousError, RpcStateError, RpcTimeoutError,
+                            RRefError, SerializationError, TorchwireError, UnknownWorkerError,
+                            WorkerUnavailableError)
 from .._agent.future import Future, install_wait_all
 from .._base.worker_info import WorkerInfo
 from . import constants, functions, internal  # noqa: F401
@@ -31,8 +34,10 @@ __all__ = [
     "DEFAULT_INIT_METHOD", "DEFAULT_NUM_WORKER_THREADS", "DEFAULT_RPC_TIMEOUT_SEC",
     "DEFAULT_SHUTDOWN_TIMEOUT", "UNSET_RPC_TIMEOUT",
     "TorchwireError", "RpcStateError", "RendezvousError", "WorkerUnavailableError",
-    "RpcTimeoutError", "ProtocolError", "ConnectionClosedError", "SerializationError",
-    "RemoteError", "UnknownWorkerError", "InvalidWorkerNameError",
+    "RpcTimeoutError", "ProtocolError", "AuthenticationError", "LinkError",
+    "ConnectionClosedError", "ConnectionBrokenError", "ConnectError", "SerializationError",
+    "RemoteError", "UnknownWorkerError", "InvalidWorkerNameError", "RRefError",
+    "DistAutogradError", "CallbackError", "RemoteCallError",
 ]
 
 for _name in __all__:
