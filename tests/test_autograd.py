@@ -313,14 +313,16 @@ def count_plain_backward_messages():
     """From now on, count the plain gradients and report messages this worker serves
     (wrapping their handlers); returns the count so far."""
     from torchwire import _serialization as ser
-    handlers = ser.PLAIN_HANDLERS
+    from torchwire._autograd.kinds import AutogradKind
     if not hasattr(count_plain_backward_messages, "n"):
         count_plain_backward_messages.n = 0
-        for kind in (ser.PLAIN_GRADS, ser.PLAIN_REPORT):
-            def counted(src, payload, tensors, _inner=handlers[kind]):
+        for kind in (AutogradKind.GRADS, AutogradKind.REPORT):
+            inner = ser.hooks.plain_handler(kind)
+
+            def counted(src, payload, tensors, _inner=inner):
                 count_plain_backward_messages.n += 1
                 return _inner(src, payload, tensors)
-            handlers[kind] = counted
+            ser.hooks.register_plain(kind, handler=counted)
     return count_plain_backward_messages.n
 
 
@@ -406,16 +408,16 @@ def body_malformed_plain_messages():
     """Broken internal messages to worker1 are logged there, and it keeps serving.
     (Their order there is not fixed: a slow log write can hand the reading to another
     thread, and the rest run on the pool.)"""
-    from torchwire import _serialization as ser
+    from torchwire._autograd.kinds import AutogradKind
     agent = rpc.api._agent
     rpc.rpc_sync("worker1", capture_torchwire_log, args=(True,))
     try:
         agent.notify_plain(1, bytes([250]))  # a kind nobody registered
-        agent.notify_plain(1, bytes([ser.PLAIN_GRADS]) + b"\x00not marshal")
+        agent.notify_plain(1, bytes([AutogradKind.GRADS]) + b"\x00not marshal")
         # a shape that does not fit its buffer
-        agent.notify_plain(1, bytes([ser.PLAIN_GRADS]) + marshal.dumps(
+        agent.notify_plain(1, bytes([AutogradKind.GRADS]) + marshal.dumps(
             (1, (0, 1), 1, [(5, 0, (100,))], None)), [torch.zeros(3)])
-        agent.notify_plain(1, bytes([ser.PLAIN_RELEASE]) + marshal.dumps("no id"))
+        agent.notify_plain(1, bytes([AutogradKind.RELEASE]) + marshal.dumps("no id"))
         assert rpc.rpc_sync("worker1", add, args=(torch.ones(2), torch.ones(2))).tolist() \
             == [2.0, 2.0]
         deadline = time.monotonic() + 10

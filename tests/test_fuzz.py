@@ -160,7 +160,7 @@ def test_the_valid_payload_used_above_does_decode():
 
 
 def _valid_plain_call() -> bytes:
-    return bytes([ser.PLAIN_CALL]) + marshal.dumps(
+    return bytes([ser.PlainKind.CALL]) + marshal.dumps(
         ("os.path", "join", None, [(2, "a"), (0, 0, (2,)), (2, 3)]))
 
 
@@ -173,12 +173,12 @@ def _valid_plain_call() -> bytes:
     st.tuples(st.integers(0, 120), st.integers(0, 255)).map(
         lambda t: _flip(_valid_plain_call(), *t)[1:]),
     st.integers(0, 120).map(lambda n: _valid_plain_call()[1:n])),
-    st.sampled_from([ser.PLAIN_NONE, ser.PLAIN_TENSOR, ser.PLAIN_CALL, 0, 99]),
+    st.sampled_from([ser.PlainKind.NONE, ser.PlainKind.TENSOR, ser.PlainKind.CALL, 0, 99]),
     st.lists(st.binary(max_size=16).map(bytearray), max_size=3))
 def test_plain_decoders_raise_only_protocol_errors(body, kind, buffers):
     payload = bytes([kind]) + body
     try:
-        if kind == ser.PLAIN_CALL:
+        if kind == ser.PlainKind.CALL:
             func, args, kwargs = ser.plain_call_decode(payload, buffers)
             assert callable(func) and isinstance(args, tuple) and kwargs is None
         else:

@@ -403,14 +403,16 @@ def body_malformed_plain_calls():
     import marshal
 
     from torchwire import _serialization as ser
+    from torchwire._autograd.kinds import AutogradKind
     saved = ser.plain_call
     errors = []
+    call = bytes([ser.PlainKind.CALL])
     for payload, tensors in (
-            (bytes([ser.PLAIN_CALL]) + b"junk", []),
-            (bytes([ser.PLAIN_CALL]) + marshal.dumps(("os", "system", None, [(2, "true")])), []),
-            (bytes([ser.PLAIN_CALL]) + marshal.dumps(("test_rpc", "add", None, [(0, 0, (5,))])),
+            (call + b"junk", []),
+            (call + marshal.dumps(("os", "system", None, [(2, "true")])), []),
+            (call + marshal.dumps(("test_rpc", "add", None, [(0, 0, (5,))])),
              [torch.ones(2)]),
-            (bytes([ser.PLAIN_REPORT]), [])):
+            (bytes([AutogradKind.REPORT]), [])):
         ser.plain_call = lambda *a, _p=payload, _t=tensors: (_p, _t, None)
         try:
             rpc.rpc_sync("worker1", add, args=(1, 2))

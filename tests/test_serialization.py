@@ -841,7 +841,7 @@ def test_non_contiguous_view_keeps_its_strides_and_sends_its_span_only():
 
 # ---------------------------------------------------------------- plain messages' tensors
 
-@pytest.mark.parametrize("dtype", list(ser._PLAIN_DTYPES))
+@pytest.mark.parametrize("dtype", list(ser.plain._PLAIN_DTYPES))
 @pytest.mark.parametrize("shape", [(0,), (5,), (2, 3), (1, 0, 4), ()])
 def test_plain_tensors_round_trip_from_either_kind_of_buffer(dtype, shape):
     t = (torch.arange(math.prod(shape)) % 7).to(dtype).reshape(shape)
@@ -879,7 +879,7 @@ def test_plain_replies_round_trip_and_others_are_left_to_pickle():
     for v in (1, "x", [torch.ones(1)], torch.ones(2, requires_grad=True), torch.ones(3, 3).t(),
               torch.nn.Parameter(torch.ones(1)), torch.ones(2).to_sparse()):
         assert ser.plain_reply(v) is None, v
-    for payload, tensors in ((b"", []), (bytes([99]), []), (bytes([ser.PLAIN_TENSOR]), []),
-                             (bytes([ser.PLAIN_TENSOR]) + b"\x07", [bytearray(4)])):
+    for payload, tensors in ((b"", []), (bytes([99]), []), (bytes([ser.PlainKind.TENSOR]), []),
+                             (bytes([ser.PlainKind.TENSOR]) + b"\x07", [bytearray(4)])):
         with pytest.raises(torchwire.ProtocolError):
             ser.plain_value(payload, tensors)

@@ -382,7 +382,7 @@ class RpcAgent:
         """Device maps of a dynamic group: route to the members of now; and the
         intra-op threads of torchwire's own passes (their share of this host)."""
         router = _devices.Router(self.name, [p.record for p in self._peers.values()])
-        ser.set_device_router(router.target if router else None)
+        ser.hooks.set_device_router(router.target if router else None)
         self._share_host()
 
     def _share_host(self) -> None:
@@ -494,7 +494,7 @@ class RpcAgent:
         logged: the handlers report their own errors to whoever waits)."""
         if rid != 0:  # a call (ser.plain_call)
             try:
-                if not payload or payload[0] != ser.PLAIN_CALL:
+                if not payload or payload[0] != ser.PlainKind.CALL:
                     raise ProtocolError("malformed plain request")
                 func, args, kwargs = ser.plain_call_decode(payload, tensors)
             except Exception as exc:
@@ -506,7 +506,7 @@ class RpcAgent:
         try:
             if not payload:
                 raise ProtocolError("empty internal message")
-            handler = ser.PLAIN_HANDLERS.get(payload[0])
+            handler = ser.hooks.plain_handler(payload[0])
             if handler is None:
                 raise ProtocolError(f"unknown internal message kind {payload[0]}")
             handler(conn.peer_rank, payload, tensors)

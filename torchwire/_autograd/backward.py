@@ -45,6 +45,7 @@ from .. import _serialization as ser
 from .._base import intraop as _intraop, threads as _threads
 from .._base.errors import ProtocolError, RemoteError, RpcTimeoutError, WorkerUnavailableError
 from .context import DistAutogradContext, container
+from .kinds import AutogradKind
 from .recording import _anchor, _pass
 
 log = logging.getLogger(__name__)
@@ -378,8 +379,8 @@ def _report(c, key: tuple, report, failure) -> None:
 
 # The pass's messages are plain (not pickled, ``RpcAgent.notify_plain``): a marshal of
 # ints (and a failure's strings), and the gradients as the message's buffers.
-_GRADS_BYTE = bytes([ser.PLAIN_GRADS])
-_REPORT_BYTE = bytes([ser.PLAIN_REPORT])
+_GRADS_BYTE = bytes([AutogradKind.GRADS])
+_REPORT_BYTE = bytes([AutogradKind.REPORT])
 
 
 def _send_grads(agent, dest: int, context_id: int, key: tuple, weight: int, items,
@@ -414,8 +415,8 @@ def _on_report(src: int, payload: bytes, tensors) -> None:
     _apply_report(key, report, failure)
 
 
-ser.PLAIN_HANDLERS[ser.PLAIN_GRADS] = _on_grads
-ser.PLAIN_HANDLERS[ser.PLAIN_REPORT] = _on_report
+ser.hooks.register_plain(AutogradKind.GRADS, handler=_on_grads)
+ser.hooks.register_plain(AutogradKind.REPORT, handler=_on_report)
 
 
 def _apply_report(key: tuple, report, failure) -> None:

@@ -35,6 +35,7 @@ import torch._prims_common as _prims
 
 from .. import _serialization as ser
 from .._base.errors import ProtocolError
+from .kinds import AutogradKind
 
 log = logging.getLogger("torchwire")
 
@@ -343,7 +344,7 @@ def _new_container(agent) -> ContextContainer:
         return c
 
 
-_RELEASE_BYTE = bytes([ser.PLAIN_RELEASE])
+_RELEASE_BYTE = bytes([AutogradKind.RELEASE])
 
 
 def _on_release(src: int, payload: bytes, tensors) -> None:
@@ -354,4 +355,4 @@ def _on_release(src: int, payload: bytes, tensors) -> None:
     container().release(context_id, source=src)
 
 
-ser.PLAIN_HANDLERS[ser.PLAIN_RELEASE] = _on_release
+ser.hooks.register_plain(AutogradKind.RELEASE, handler=_on_release)

@@ -1,6 +1,6 @@
 """Send/recv recording: how messages of a context carry it and stitch the graph.
 
-Installed into the serialization layer as its grad hook (``ser.set_grad_hook``):
+Installed into the serialization layer as its autograd hook (``ser.hooks.set_autograd``):
 
 * A request sent by a thread that has a context ``C`` travels as
   ``(_InContext(C, func), args, kwargs)``: the callee runs ``func`` with ``C`` as
@@ -27,6 +27,7 @@ import torch
 from .. import _serialization as ser
 from .._agent.future import Deferred, Future
 from .context import container
+from .kinds import AutogradKind
 
 # The anchor: a leaf that every recv node takes as an input.  Local passes ask for
 # its gradient too, so the engine never prunes a recv node; it never gets one.
@@ -147,7 +148,7 @@ def _identity(value):
 
 
 class _GradHook:
-    """The serialization layer's view of distributed autograd (``ser.set_grad_hook``)."""
+    """The serialization layer's view of distributed autograd (``ser.AutogradHook``)."""
 
     @staticmethod
     def outgoing(send, call):
@@ -194,7 +195,7 @@ class _GradHook:
         return _rebuild_recv, (send.grad_ctx, c.rank, sid, t.detach())
 
 
-_RECV_BYTE = bytes([ser.PLAIN_RECV])
+_RECV_BYTE = bytes([AutogradKind.RECV])
 
 
 def _plain_recv(payload, tensors) -> torch.Tensor:
@@ -204,5 +205,5 @@ def _plain_recv(payload, tensors) -> torch.Tensor:
     return _rebuild_recv(context_id, src, send_id, t)
 
 
-ser.set_grad_hook(_GradHook())
-ser.PLAIN_VALUES[ser.PLAIN_RECV] = _plain_recv
+ser.hooks.set_autograd(_GradHook())
+ser.hooks.register_plain(AutogradKind.RECV, decoder=_plain_recv)

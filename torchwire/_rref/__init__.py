@@ -847,13 +847,15 @@ def _reduce_rref(rref: RRef):
     return _require_ctx().reduce(rref)
 
 
-ser.register_reducer(RRef, _reduce_rref)
+ser.hooks.register_reducer(RRef, _reduce_rref)
 
 
 class _PlainRRef:
     """RRef arguments of plain calls (``ser.plain_call``): only a user RRef sent to its
     owner, which needs no fork (the owner finds its own RRef); the request pins it
     until the reply, as pickled."""
+
+    rref_type = RRef
 
     @staticmethod
     def can(rref: RRef, dest: int) -> bool:
@@ -872,7 +874,7 @@ class _PlainRRef:
         return ctx.rebuild(ctx.rank, tuple(rref_id), None, parent, False)
 
 
-ser.set_plain_rref(RRef, _PlainRRef)
+ser.hooks.set_rref_codec(_PlainRRef())
 
 
 def _remote_exec(rref_id, fork_id, caller: int, func, args, kwargs):

@@ -218,4 +218,4 @@ def _reduce_remote_module(m: RemoteModule):
                                     m.training)
 
 
-ser.register_reducer(RemoteModule, _reduce_remote_module)
+ser.hooks.register_reducer(RemoteModule, _reduce_remote_module)

@@ -170,7 +170,7 @@ def init_rpc(name, backend=None, rank=-1, world_size=None, rpc_backend_options=N
                                    max(0.001, deadline - time.monotonic()))
                 _devices.check_all(records)  # the same data on every worker: the same error
             router = _devices.Router(name, records)
-            ser.set_device_router(router.target if router else None)
+            ser.hooks.set_device_router(router.target if router else None)
             agent = RpcAgent(name, rank, world_size, options, store, store_host, listener,
                              records, auth.bind(job))
         except BaseException:

@@ -1,0 +1,387 @@
+"""The RPC pickler: a message to (payload bytes, tensor table) and back.
+
+A pickler lifts every tensor out of the pickle stream (TensorPipe's payload +
+tensor-table split): the stream keeps only each tensor's metadata and its index
+in the table; the table's raw bytes travel as separate buffers.  A view sends
+only its own elements (``numel * itemsize`` bytes), never its whole storage.
+On the receiving side the transport reads each buffer straight into a freshly
+allocated ``uint8`` tensor (or a ``bytearray`` for a small one) and the unpickler
+re-types it in place (``view(dtype).view(shape)``): no copy after the bytes leave
+the socket.
+
+Types of the layers above (RRefs, ``RemoteModule``) are reduced by what they
+registered in :data:`.hooks.hooks`; tensors that require grad in a message of a
+distributed autograd context go to the autograd hook registered there.
+"""
+
+from __future__ import annotations
+
+import importlib
+import io
+import pickle
+from typing import Any
+
+import torch
+
+from .._base.errors import SerializationError
+from .hooks import hooks
+from .state import grad as _grad
+from .state import tls as _tls
+
+_PROTOCOL = pickle.HIGHEST_PROTOCOL
+# A non-contiguous tensor travels with its strides when the memory it spans is at
+# most this many times its elements; a sparser view is compacted first.
+_MAX_SPAN_RATIO = 4
+
+# How the pickler treats each exact type (filled lazily): None = as pickle does.
+_TENSOR, _SCRIPT, _FUTURE = object(), object(), object()
+_dispatch: dict[type, Any] = {}
+hooks.watch_reducers(_dispatch.clear)
+
+
+def _resolve(t: type):
+    if issubclass(t, torch.Tensor):
+        return _TENSOR
+    reducer = hooks.reducer_for(t)
+    if reducer is not None:
+        return reducer
+    if issubclass(t, torch.jit.ScriptFunction):
+        return _SCRIPT
+    if issubclass(t, torch._C.Future):
+        return _FUTURE
+    return None
+
+
+def tensor_nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+# --------------------------------------------------------------------------- rebuilding
+
+
+def _typed(index: int, dtype: torch.dtype) -> torch.Tensor:
+    """Entry ``index`` of the received tensor table as a 1-D tensor of ``dtype`` (one
+    torch call).  A reader hands small buffers on as bytearrays (see
+    the wire's reader), others as ``uint8`` tensors."""
+    raw = _tls.tensors[index]
+    if type(raw) is bytearray:
+        return torch.frombuffer(raw, dtype=dtype)
+    return raw.view(dtype) if dtype is not torch.uint8 else raw
+
+
+def _rebuild_tensor(index: int, dtype: torch.dtype, shape: tuple, requires_grad: bool,
+                    cls: type | None):
+    t = _typed(index, dtype)
+    t = t.view(shape)
+    return _finish_tensor(t, requires_grad, cls)
+
+
+def _rebuild_plain(index: int, dtype: torch.dtype, shape: tuple):
+    """Rebuild for the fast path of ``_reduce_tensor``: one or two torch calls (each
+    costs microseconds with cold caches, as between messages)."""
+    return _shaped(_tls.tensors[index], dtype, shape)
+
+
+def _shaped(raw, dtype: torch.dtype, shape: tuple) -> torch.Tensor:
+    """A received buffer (bytearray or ``uint8`` tensor) as a tensor of ``dtype`` and
+    ``shape``."""
+    if type(raw) is bytearray:
+        t = torch.frombuffer(raw, dtype=dtype)
+        if len(shape) != 1:  # a 1-D tensor already has its shape
+            # shaped in place (same elements: the storage stays), not a view: a view
+            # costs autograd's view tracking, and a received tensor that is a view
+            # needs a detach() more (autograd's recv node marks it dirty)
+            t.resize_(shape)
+    else:
+        t = raw.view(dtype) if dtype is not torch.uint8 else raw
+        if len(shape) != 1:
+            t = t.view(shape)
+    return t
+
+
+def _span(t: torch.Tensor) -> int | None:
+    """Elements from a strided tensor's first to its last, or None if a stride is 0."""
+    if t.numel() == 0:
+        return None
+    span = 1
+    for size, stride in zip(t.shape, t.stride()):
+        if size > 1:
+            if stride <= 0:
+                return None
+            span += (size - 1) * stride
+    return span
+
+
+def _rebuild_strided(index: int, dtype: torch.dtype, shape: tuple, stride: tuple,
+                     requires_grad: bool, cls: type | None):
+    t = _typed(index, dtype).as_strided(shape, stride)
+    return _finish_tensor(t, requires_grad, cls)
+
+
+def _rebuild_on_device(index: int, dtype: torch.dtype, shape: tuple, requires_grad: bool,
+                       device: str):
+    t = _typed(index, dtype).view(shape)
+    return _finish_tensor(t.to(device), requires_grad, None)
+
+
+def _finish_tensor(t: torch.Tensor, requires_grad: bool, cls: type | None):
+    if cls is torch.nn.Parameter:
+        return torch.nn.Parameter(t, requires_grad=requires_grad)
+    if requires_grad:
+        t.requires_grad_(True)
+    if cls is not None:
+        t = t.as_subclass(cls)
+    return t
+
+
+def _rebuild_sparse_coo(indices, values, size, coalesced: bool, requires_grad: bool):
+    # check_invariants: indices from a peer must be validated before any kernel uses them
+    t = torch.sparse_coo_tensor(indices, values, size, is_coalesced=coalesced,
+                                check_invariants=True)
+    if requires_grad:
+        t.requires_grad_(True)
+    return t
+
+
+def _load_script_function(module: str, name: str):
+    return getattr(importlib.import_module(module), name)
+
+
+class _RpcPickler(pickle.Pickler):
+    """Pickler that moves tensors to a side table and knows torchwire's special types."""
+
+    def __init__(self, file) -> None:
+        super().__init__(file, protocol=_PROTOCOL)
+        self.tensors: list[torch.Tensor] = []
+
+    def reducer_override(self, obj):
+        # Called for nearly every object pickled: one dict lookup by exact type decides.
+        t = type(obj)
+        try:
+            how = _dispatch[t]
+        except KeyError:
+            how = _dispatch[t] = _resolve(t)
+        if how is None:
+            return NotImplemented
+        if how is _TENSOR:
+            return self._reduce_tensor(obj)
+        if how is _SCRIPT:
+            return self._reduce_script_function(obj)
+        if how is _FUTURE:
+            raise SerializationError("Can not pickle torch.futures.Future")
+        return how(obj)
+
+    def _reduce_tensor(self, t: torch.Tensor):
+        # Fast path for the common case (a small, plain, dense, contiguous CPU tensor):
+        # every torch call costs microseconds when caches are cold between messages,
+        # so it makes as few as it can.
+        if (type(t) is torch.Tensor and t.layout is torch.strided and t.is_cpu
+                and not t.requires_grad and t.is_contiguous() and not t.is_quantized
+                and not (t.is_conj() or t.is_neg())):
+            index = len(self.tensors)
+            self.tensors.append(t)
+            return _rebuild_plain, (index, t.dtype, tuple(t.shape))
+        if t.requires_grad:
+            send = _tls.send
+            if send is not None and send.grad_ctx is not None and hooks.autograd is not None:
+                return hooks.autograd.reduce_tensor(send, t)
+        if t.is_sparse:
+            if t.requires_grad:
+                rg, t = True, t.detach()
+            else:
+                rg = False
+            return _rebuild_sparse_coo, (t._indices(), t._values(), tuple(t.shape),
+                                         t.is_coalesced(), rg)
+        if t.is_quantized:
+            raise SerializationError(
+                "quantized tensors are not supported by torchwire RPC; "
+                "send t.dequantize() or its int_repr() and scale/zero_point instead")
+        if t.layout is not torch.strided:
+            raise SerializationError(
+                f"tensors with layout {t.layout} are not supported; send t.to_dense()")
+        if t.device.type != "cpu":
+            return self._reduce_device_tensor(t)
+        data = t.detach()
+        if data.is_conj() or data.is_neg():
+            # lazy conjugate / negative views: the bytes in memory are not the values
+            data = data.resolve_conj().resolve_neg()
+        cls = type(t)
+        cls = None if cls is torch.Tensor else cls
+        if not data.is_contiguous():
+            # torch keeps a non-contiguous tensor's strides.  Send the region of memory the
+            # view spans (its own elements and the gaps between them) when that is at most
+            # _MAX_SPAN_RATIO x its elements; a sparser view is compacted instead.  Never
+            # the whole storage.
+            span = _span(data)
+            if span is not None and span <= _MAX_SPAN_RATIO * data.numel():
+                region = data.as_strided((span,), (1,), data.storage_offset())
+                index = len(self.tensors)
+                self.tensors.append(region)
+                return _rebuild_strided, (index, t.dtype, tuple(t.shape), tuple(data.stride()),
+                                          t.requires_grad, cls)
+            data = data.contiguous()
+        index = len(self.tensors)
+        self.tensors.append(data)
+        return _rebuild_tensor, (index, t.dtype, tuple(t.shape), t.requires_grad, cls)
+
+    def _reduce_device_tensor(self, t: torch.Tensor):
+        """A CUDA tensor: through host memory, onto the device the map names."""
+        send = _tls.send
+        target = None
+        router = hooks.device_router
+        if send is not None and router is not None:
+            target = router(send.dest, send.request, t.device)
+        if target is None:
+            # torch's wording first: code ported from torch matches on it
+            raise SerializationError(
+                "TensorPipe RPC backend only supports CPU tensors by default, please move "
+                "your tensors to CPU before sending them over RPC, or call `set_device_map` "
+                "on `TensorPipeRpcBackendOptions` to explicitly configure device mapping. "
+                f"Found tensor on device: {t.device} (no device map to worker rank "
+                f"{send.dest if send is not None else '?'} covers it)")
+        data = t.detach().resolve_conj().resolve_neg().to("cpu").contiguous()
+        index = len(self.tensors)
+        self.tensors.append(data)
+        return _rebuild_on_device, (index, t.dtype, tuple(t.shape), t.requires_grad,
+                                    str(target))
+
+    @staticmethod
+    def _reduce_script_function(fn):
+        qual = fn.qualified_name  # "__torch__.<module path>.<name>"
+        parts = qual.split(".")
+        module = ".".join(parts[1:-1]) or "__main__"
+        return _load_script_function, (module, parts[-1])
+
+
+def dumps(obj: Any) -> tuple[bytes, list[torch.Tensor]]:
+    """Serialize ``obj``.
+
+    Returns:
+        ``(payload, tensors)``: the pickle stream and the contiguous CPU tensors
+        whose bytes must travel with it, in table order.
+
+    Raises:
+        SerializationError: ``obj`` (or something inside it) cannot be pickled.
+    """
+    # One pickler per thread, reset between messages: building a Pickler and its
+    # BytesIO costs more than pickling a small call.
+    cached = _tls.pickler
+    if cached is None or cached[2]:
+        f = io.BytesIO()
+        cached = [_RpcPickler(f), f, False]
+        _tls.pickler = cached
+    p, f = cached[0], cached[1]
+    cached[2] = True  # in use: a reducer that pickles recursively gets a fresh pickler
+    try:
+        p.tensors = []
+        p.dump(obj)
+        payload = f.getvalue()
+        return payload, p.tensors
+    except SerializationError:
+        raise
+    except Exception as exc:  # pickle raises PicklingError, TypeError, AttributeError...
+        raise SerializationError(f"cannot pickle {_short_type(obj)}: {exc}") from exc
+    finally:
+        p.clear_memo()
+        p.tensors = []
+        f.seek(0)
+        f.truncate()
+        cached[2] = False
+
+
+class SendContext:
+    """What a reducer may know about the message being pickled, and what it left behind.
+
+    Attributes:
+        dest: rank of the worker the message goes to.
+        request: True for a request (its reply proves the peer unpickled it), False
+            for a reply.
+        pins: objects to keep alive until the request's reply arrives.
+        undo: callables that cancel what pickling did, run if the message is
+            never sent (pickling failed, the connection is gone).
+        grad_ctx: the distributed autograd context the message belongs to (its
+            tensors that require grad are recorded there), or None.
+    """
+
+    __slots__ = ("dest", "request", "pins", "undo", "grad_ctx")
+
+    def __init__(self, dest: int, request: bool) -> None:
+        self.dest = dest
+        self.request = request
+        self.pins: list = []
+        self.undo: list = []
+        self.grad_ctx = None
+
+    def abort(self) -> None:
+        undo, self.undo, self.pins = self.undo, [], []
+        for fn in reversed(undo):
+            fn()
+
+
+def current_send() -> SendContext | None:
+    """The :class:`SendContext` of the message being pickled on this thread, if any."""
+    return _tls.send
+
+
+def dumps_to(obj: Any, dest: int, request: bool) \
+        -> tuple[bytes, list[torch.Tensor], SendContext | None]:
+    """:func:`dumps` for a message to worker ``dest``.
+
+    Returns:
+        ``(payload, tensors, ctx)``; ``ctx`` is None unless a reducer recorded pins
+        or undo actions, which the caller must keep (pins) or run if the message is
+        not sent (``ctx.abort()``).
+    """
+    prev = _tls.send
+    ctx = _tls.send = SendContext(dest, request)
+    try:
+        if request and _grad.context is not None:
+            obj = hooks.autograd.outgoing(ctx, obj)
+        payload, tensors = dumps(obj)
+    except BaseException:
+        ctx.abort()
+        raise
+    finally:
+        _tls.send = prev
+    return payload, tensors, (ctx if ctx.pins or ctx.undo else None)
+
+
+def add_gate(fut) -> bool:
+    """From a reducer's rebuild function: the message's function must not run before
+    ``fut`` completes.  Returns False when the message being decoded takes no gates
+    (a reply)."""
+    gates = _tls.gates
+    if gates is None:
+        return False
+    gates.append(fut)
+    return True
+
+
+def loads(payload, tensors: list, gates=None) -> Any:
+    """Inverse of :func:`dumps`; ``tensors`` are the received ``uint8`` buffers.
+
+    ``gates``: a list to collect the futures that rebuild functions ask the caller to
+    wait for before using the result (see :func:`add_gate`); None for no gating.
+
+    Raises:
+        SerializationError: the payload cannot be unpickled here.
+    """
+    tls = _tls
+    prev, prev_gates = tls.tensors, tls.gates
+    tls.tensors, tls.gates = tensors, gates
+    try:
+        return pickle.loads(payload)
+    except Exception as exc:
+        hint = ""
+        if isinstance(exc, (AttributeError, ImportError)):
+            hint = (" (the RPC pickler does not serialize function code: a function must be "
+                    "defined, importable under the same module name, on both workers)")
+        raise SerializationError(
+            f"cannot unpickle message: {type(exc).__name__}: {exc}{hint}") from exc
+    finally:
+        tls.tensors, tls.gates = prev, prev_gates
+
+
+def _short_type(obj: Any) -> str:
+    t = type(obj)
+    return f"{t.__module__}.{t.__qualname__}"
