@@ -7,6 +7,7 @@ multiprocessing queue as they are produced, so a round that later hangs or
 crashes still reports what it measured before.
 
 Messages put on the queue (all tuples, first item is the kind):
+  ("imported", rank, path)        (torchwire specs: the torchwire/__init__.py it loaded)
   ("ready", rank, init_seconds)
   ("metric", name, value, extra_dict)
   ("note", text)
@@ -43,12 +44,69 @@ NET_ECHO_SIZES = ECHO_SIZES[1:]
 NET_OPTIONS = {"_transports": ["uv"], "_channels": ["basic"]}
 
 
+def split_spec(lib: str) -> tuple[str, str | None]:
+    """``"torchwire@/some/checkout"`` -> ``("torchwire", "/some/checkout")``;
+    ``"torch"`` -> ``("torch", None)``."""
+    name, at, path = lib.partition("@")
+    return name, (path if at else None)
+
+
 def _import_lib(lib: str, cfg: dict):
     import importlib
 
     # cfg may override the module (used to test the bench's failure handling).
-    module = cfg.get("lib_modules", {}).get(lib) or LIB_MODULES[lib]
+    module = cfg.get("lib_modules", {}).get(lib) or LIB_MODULES[split_spec(lib)[0]]
     return importlib.import_module(module)
+
+
+def _repo_root() -> str:
+    """This bench's checkout: where plain ``torchwire`` must come from."""
+    return os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _bench_paths_first() -> None:
+    """This bench's directory (for ``_bench_funcs``) and its checkout on sys.path."""
+    for p in (os.path.dirname(os.path.abspath(__file__)), _repo_root()):
+        if p not in sys.path:
+            sys.path.insert(0, p)
+
+
+def _put_checkout_first(lib: str) -> None:
+    """For ``torchwire@PATH``, put PATH first on sys.path, ahead of this bench's checkout
+    and of the editable install's finder (which comes after sys.path), before anything
+    imports torchwire."""
+    path = split_spec(lib)[1]
+    if path is None:
+        return
+    if "torchwire" in sys.modules:
+        raise ImportError(f"{lib}: torchwire was imported before {path} was put on sys.path")
+    while path in sys.path:
+        sys.path.remove(path)
+    sys.path.insert(0, path)
+
+
+def _check_origin(lib: str) -> str | None:
+    """The torchwire/__init__.py this process loaded (None for torch); raises ImportError
+    unless it lies in the checkout ``lib`` names: PATH for ``torchwire@PATH``, this bench's
+    own checkout for plain ``torchwire``."""
+    name, path = split_spec(lib)
+    if name != "torchwire":
+        return None
+    import torchwire
+
+    want = os.path.join(os.path.realpath(path or _repo_root()), "torchwire")
+    got = os.path.realpath(torchwire.__file__)
+    if os.path.commonpath([want, got]) != want:
+        raise ImportError(f"{lib}: torchwire was imported from {got}, not from {want}")
+    return got
+
+
+def _load_lib(lib: str, cfg: dict):
+    """Import ``lib``'s rpc module from the checkout it names; returns ``(rpc, origin)``
+    (origin: see ``_check_origin``)."""
+    _put_checkout_first(lib)
+    rpc = _import_lib(lib, cfg)
+    return rpc, _check_origin(lib)
 
 
 def _percentile(sorted_vals, p):
@@ -244,15 +302,12 @@ def _echo_sweep(rpc, cfg, q, sizes, prefix):
 
 def child_main(lib, rank, port, cfg, q):
     """Entry point of one spawned benchmark process."""
-    bench_dir = os.path.dirname(os.path.abspath(__file__))
-    repo_root = os.path.dirname(bench_dir)
-    for p in (bench_dir, repo_root):
-        if p not in sys.path:
-            sys.path.insert(0, p)
-
+    _bench_paths_first()
     where = "import"
     try:
-        rpc = _import_lib(lib, cfg)
+        rpc, origin = _load_lib(lib, cfg)
+        if origin is not None:
+            q.put(("imported", rank, origin))
         where = "init_rpc"
         opts = rpc.TensorPipeRpcBackendOptions(
             init_method=f"tcp://127.0.0.1:{port}",
@@ -300,17 +355,15 @@ def interleaved_main(lib, rank, port, cfg, cmd_q, res_q):
     worker0 answers ``("block", metric, n, warmup)`` commands with the sorted
     per-call microseconds of ``n`` calls, and ``("mp", steps, warmup)`` with the
     sorted milliseconds of ``steps`` model-parallel training steps, until
-    ``("stop",)``; worker1 serves.
+    ``("stop",)``; worker1 serves.  worker0's ``("ready", lib, origin)`` names the
+    torchwire/__init__.py it loaded (None for torch); worker1 only checks its own.
     The parent runs one such pair at a time (a short round), then stops it.
     """
-    bench_dir = os.path.dirname(os.path.abspath(__file__))
-    for p in (bench_dir, os.path.dirname(bench_dir)):
-        if p not in sys.path:
-            sys.path.insert(0, p)
+    _bench_paths_first()
     try:
+        rpc, origin = _load_lib(lib, cfg)
         import torch
 
-        rpc = _import_lib(lib, cfg)
         opts = rpc.TensorPipeRpcBackendOptions(init_method=f"tcp://127.0.0.1:{port}",
                                                num_worker_threads=16,
                                                rpc_timeout=cfg["rpc_timeout"])
@@ -328,7 +381,7 @@ def interleaved_main(lib, rank, port, cfg, cmd_q, res_q):
             if not (torch.equal(calls["sync_tensor16"](), t16) and calls["rref_proxy"]() == 7
                     and calls["remote_to_here"]() == 1):
                 raise AssertionError("an interleaved latency call returned a wrong value")
-            res_q.put(("ready", lib))
+            res_q.put(("ready", lib, origin))
             while True:
                 cmd = cmd_q.get()
                 if cmd[0] == "stop":

@@ -3,6 +3,11 @@
 
 Usage:
     python bench/bench.py [--quick] [--rounds N] [--libs torch,torchwire] [--out BENCHMARKS.md]
+    python bench/bench.py --libs torchwire@PATH torchwire [--out FILE]   # A/B of two versions:
+        torchwire from the checkout at PATH vs this checkout; ratios second / first, each
+        metric flagged when worse by more than 3 %; the report goes to stdout and to FILE
+        (default: a new torchwire-ab-*.md in the temp directory, named at the end, not
+        BENCHMARKS.md)
 
 Each round of a library starts two fresh processes (multiprocessing 'spawn'
 context) on 127.0.0.1: worker0 drives every metric, worker1 serves.  Rounds
@@ -16,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as _dt
+import functools
 import json
 import multiprocessing as mp
 import os
@@ -25,6 +31,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
 BENCH_DIR = os.path.dirname(os.path.abspath(__file__))
@@ -34,9 +41,60 @@ for _p in (BENCH_DIR, REPO_ROOT):
         sys.path.insert(0, _p)
 
 import _bench_worker  # noqa: E402  (must be importable by reference in the children)
-from _bench_worker import ECHO_SIZES, NET_ECHO_SIZES, NET_OPTIONS  # noqa: E402
+from _bench_worker import ECHO_SIZES, NET_ECHO_SIZES, NET_OPTIONS, split_spec  # noqa: E402
 
 LIB_TITLES = {"torch": "torch.distributed.rpc", "torchwire": "torchwire"}
+# A/B mode (a torchwire@PATH spec): a metric of the second version more than this much
+# worse than the first's is flagged.
+AB_TOLERANCE = 0.03
+
+
+def is_ab(libs: list) -> bool:
+    """A/B mode: two versions of torchwire, one at least given as ``torchwire@PATH``."""
+    return any(split_spec(lib)[1] is not None for lib in libs)
+
+
+@functools.lru_cache(maxsize=None)
+def git_rev(path: str) -> tuple[str, bool] | None:
+    """(short HEAD, has uncommitted changes) of the checkout at ``path``; None without git."""
+    try:
+        rev = subprocess.run(["git", "-C", path, "rev-parse", "--short", "HEAD"],
+                             capture_output=True, text=True, timeout=5)
+        if rev.returncode != 0 or not rev.stdout.strip():
+            return None
+        dirty = subprocess.run(["git", "-C", path, "status", "--porcelain"],
+                               capture_output=True, text=True, timeout=5).stdout.strip()
+        return rev.stdout.strip(), bool(dirty)
+    except Exception:
+        return None
+
+
+def describe_checkout(path: str) -> str:
+    got = git_rev(path)
+    if got is None:
+        return "source tree"
+    return f"git {got[0]}" + (" (+ uncommitted changes)" if got[1] else "")
+
+
+def checkout_of(lib: str) -> str:
+    """The checkout a torchwire spec imports from: PATH, or this bench's own."""
+    return split_spec(lib)[1] or REPO_ROOT
+
+
+def lib_titles(libs: list) -> dict:
+    """Column titles: torch.distributed.rpc / torchwire; in A/B mode
+    "torchwire@PATH (rev)" and "torchwire (this checkout)"."""
+    if not is_ab(libs):
+        return {lib: LIB_TITLES[lib] for lib in libs}
+    titles = {}
+    for lib in libs:
+        name, path = split_spec(lib)
+        if path is None:
+            titles[lib] = f"{name} (this checkout)"
+        else:
+            got = git_rev(path)
+            titles[lib] = f"{lib} ({got[0] if got else 'no git'})"
+    return titles
 
 # ---------------------------------------------------------------------------
 # configuration
@@ -165,6 +223,7 @@ def _merge_network_round(r: dict, net: dict) -> None:
     r["extra"].update(net["extra"])
     r["errors"] += [f"network-forced round: {e}" for e in net["errors"]]
     r["notes"] += [f"network-forced round: {n}" for n in net["notes"]]
+    r["imported"] += net["imported"]
     r["timed_out"] = r["timed_out"] or net["timed_out"]
     r["clean_shutdown"] = r["clean_shutdown"] and net["clean_shutdown"]
     r["wall_s"] += net["wall_s"]
@@ -181,7 +240,7 @@ def run_round(ctx, lib: str, cfg: dict, stall_timeout: float, round_timeout: flo
         for rank in (0, 1)
     ]
     res = {"metrics": {}, "extra": {}, "errors": [], "notes": [], "timed_out": False,
-           "clean_shutdown": False, "shutdown_s": None, "init_s": {}}
+           "clean_shutdown": False, "shutdown_s": None, "init_s": {}, "imported": []}
     t_start = time.monotonic()
     last_progress = t_start
     done = set()
@@ -225,6 +284,9 @@ def run_round(ctx, lib: str, cfg: dict, stall_timeout: float, round_timeout: flo
                     log(f"    {name} = {value:.4g}")
                 elif kind == "ready":
                     res["init_s"][msg[1]] = msg[2]
+                elif kind == "imported":
+                    res["imported"].append(msg[2])
+                    log(f"    worker{msg[1]} imported torchwire from {msg[2]}")
                 elif kind == "note":
                     res["notes"].append(msg[1])
                 elif kind == "error":
@@ -297,8 +359,9 @@ def run_interleaved(ctx, libs: list, cfg: dict, log) -> dict:
     when left running, so stopping was dropped.)  Returns ``{lib: {metric key:
     value}}`` plus ``{lib: {"errors": [...]}}`` on failure.
     """
-    out = {lib: {"errors": []} for lib in libs}
+    out = {lib: {"errors": [], "imported": []} for lib in libs}
     per_round = {lib: [] for lib in libs}  # one {metric key: value} per short round
+    titles = lib_titles(libs)
     n, warm = cfg["il_block"], cfg["il_warmup"]
 
     def short_round(lib):
@@ -313,16 +376,19 @@ def run_interleaved(ctx, libs: list, cfg: dict, log) -> dict:
             try:
                 msg = res_q.get(timeout=timeout)
             except _queue.Empty:
-                raise RuntimeError(f"{LIB_TITLES[lib]}: no answer within {timeout:.0f} s") \
+                raise RuntimeError(f"{titles[lib]}: no answer within {timeout:.0f} s") \
                     from None
             if msg[0] == "error":
-                raise RuntimeError(f"{LIB_TITLES[msg[1]]}: {msg[2]}")
+                raise RuntimeError(f"{titles[msg[1]]}: {msg[2]}")
             return msg
 
         try:
             for p in procs:
                 p.start()
-            get()  # ready
+            origin = get()[2]  # ready; worker0's torchwire/__init__.py (None for torch)
+            if origin is not None and origin not in out[lib]["imported"]:
+                out[lib]["imported"].append(origin)
+                log(f"    {titles[lib]}: worker0 imported torchwire from {origin}")
             got = {}
             for metric in _bench_worker.INTERLEAVED:
                 cmd_q.put(("block", metric, n, warm))
@@ -395,16 +461,6 @@ def machine_info() -> dict:
         cores = len(os.sched_getaffinity(0))
     except AttributeError:
         cores = os.cpu_count()
-    tw = "source tree"
-    try:
-        rev = subprocess.run(["git", "-C", REPO_ROOT, "rev-parse", "--short", "HEAD"],
-                             capture_output=True, text=True, timeout=5)
-        if rev.returncode == 0 and rev.stdout.strip():
-            dirty = subprocess.run(["git", "-C", REPO_ROOT, "status", "--porcelain"],
-                                   capture_output=True, text=True, timeout=5).stdout.strip()
-            tw = f"git {rev.stdout.strip()}" + (" (+ uncommitted changes)" if dirty else "")
-    except Exception:
-        pass
     return {
         "cpu": cpu,
         "cores": cores,
@@ -412,7 +468,7 @@ def machine_info() -> dict:
         "python": platform.python_version(),
         "torch": torch_version,
         "os": f"{platform.system()} {platform.release()}",
-        "torchwire": tw,
+        "torchwire": describe_checkout(REPO_ROOT),
     }
 
 
@@ -455,6 +511,9 @@ def summarize(results: dict, libs: list, rounds: int, interleaved: dict | None =
             "clean_shutdowns": sum(1 for r in rs if r["clean_shutdown"]),
             "shutdown_s": [r["shutdown_s"] for r in rs if r["shutdown_s"] is not None],
             "notes": sorted({n for r in rs for n in r["notes"]}),
+            # torchwire/__init__.py files the workers loaded (each checked its own)
+            "imported": sorted({p for r in rs for p in r.get("imported", [])}
+                               | set(il.get("imported", []))),
         }
     return out
 
@@ -469,28 +528,49 @@ def _short_error(summary_lib: dict) -> str:
     return f"error: {e}"
 
 
+SHUTDOWN_LABEL = "clean shutdown (rounds; worst graceful shutdown() of the driving worker)"
+
+
+def _value_cell(summary: dict, lib: str, key: str, unit: str, rounds: int,
+                il_rounds: int) -> tuple[str, float | None]:
+    """A library's cell for one metric, and its median (None on error)."""
+    m = summary[lib]["metrics"][key]
+    if m["median"] is None:
+        return _short_error(summary[lib]), None
+    cell = fmt_value(m["median"], unit)
+    want = il_rounds if key.startswith("il_") else rounds
+    if m["n"] < want or (not key.startswith("il_") and m["n"] < summary[lib]["rounds_run"]):
+        cell += f" ({m['n']}/{want} rounds)"
+    return cell, m["median"]
+
+
+def _shutdown_cell(summary_lib: dict, rounds: int) -> str:
+    cell = f"{summary_lib['clean_shutdowns']}/{rounds}"
+    if summary_lib["shutdown_s"]:
+        cell += f", worst {max(summary_lib['shutdown_s']):.2f} s"
+    return cell
+
+
+def _table_head(cols: list, aligns: list) -> list:
+    return ["| " + " | ".join(cols) + " |", "|" + "|".join(aligns) + "|"]
+
+
 def build_table(summary: dict, libs: list, rounds: int, il_rounds: int) -> str:
     have_both = "torch" in libs and "torchwire" in libs
-    cols = ["metric"] + [LIB_TITLES[lib] for lib in libs]
+    titles = lib_titles(libs)
+    cols = ["metric"] + [titles[lib] for lib in libs]
     if have_both:
         cols += ["ratio (torchwire / torch)", "target", "met?"]
-    lines = ["| " + " | ".join(cols) + " |", "|" + "|".join(
-        ["---"] + ["---:"] * len(libs) + ([":---", ":---", ":---:"] if have_both else [])) + "|"]
+    lines = _table_head(cols, ["---"] + ["---:"] * len(libs)
+                        + ([":---", ":---", ":---:"] if have_both else []))
     for key, label, unit, higher, target in metric_specs():
         row = [label]
         vals = {}
         for lib in libs:
-            m = summary[lib]["metrics"][key]
-            if m["median"] is None:
-                row.append(_short_error(summary[lib]))
-            else:
-                vals[lib] = m["median"]
-                cell = fmt_value(m["median"], unit)
-                want = il_rounds if key.startswith("il_") else rounds
-                if m["n"] < want or (not key.startswith("il_")
-                                     and m["n"] < summary[lib]["rounds_run"]):
-                    cell += f" ({m['n']}/{want} rounds)"
-                row.append(cell)
+            cell, value = _value_cell(summary, lib, key, unit, rounds, il_rounds)
+            row.append(cell)
+            if value is not None:
+                vals[lib] = value
         if have_both:
             better = "higher is better" if higher else "lower is better"
             if "torch" in vals and "torchwire" in vals and vals["torch"] > 0:
@@ -510,14 +590,7 @@ def build_table(summary: dict, libs: list, rounds: int, il_rounds: int) -> str:
                     ok = ratio <= factor if op == "<=" else ratio >= factor
                     row.append("yes" if ok else "**no**")
         lines.append("| " + " | ".join(row) + " |")
-    # shutdown row
-    row = ["clean shutdown (rounds; worst graceful shutdown() of the driving worker)"]
-    for lib in libs:
-        s = summary[lib]
-        cell = f"{s['clean_shutdowns']}/{rounds}"
-        if s["shutdown_s"]:
-            cell += f", worst {max(s['shutdown_s']):.2f} s"
-        row.append(cell)
+    row = [SHUTDOWN_LABEL] + [_shutdown_cell(summary[lib], rounds) for lib in libs]
     if have_both:
         row += ["—", f"{rounds}/{rounds}",
                 "yes" if summary["torchwire"]["clean_shutdowns"] == rounds else "**no**"]
@@ -525,9 +598,64 @@ def build_table(summary: dict, libs: list, rounds: int, il_rounds: int) -> str:
     return "\n".join(lines)
 
 
+def ab_ratio(summary: dict, libs: list, key: str) -> float | None:
+    """Second / first of one metric's medians (None if either is missing or the first
+    is not positive)."""
+    a, b = (summary[lib]["metrics"][key]["median"] for lib in libs)
+    if a is None or b is None or a <= 0:
+        return None
+    return b / a
+
+
+def ab_change(ratio: float, higher: bool) -> tuple[str, bool]:
+    """The A/B "change" cell for a ratio, and whether it is worse than AB_TOLERANCE."""
+    worse = (1.0 - ratio) if higher else (ratio - 1.0)
+    text = f"{(ratio - 1.0) * 100:+.1f} %".replace("-", "−")
+    if worse > AB_TOLERANCE:
+        return f"{text}, **worse**", True
+    if worse < -AB_TOLERANCE:
+        return f"{text}, better", False
+    return f"{text}, within ±{AB_TOLERANCE * 100:g} %", False
+
+
+def ab_worse(summary: dict, libs: list) -> list:
+    """Labels of the metrics where the second version is worse than AB_TOLERANCE."""
+    worse = []
+    for key, label, _, higher, _ in metric_specs():
+        ratio = ab_ratio(summary, libs, key)
+        if ratio is not None and ab_change(ratio, higher)[1]:
+            worse.append(label)
+    return worse
+
+
+def build_ab_table(summary: dict, libs: list, rounds: int, il_rounds: int) -> str:
+    """A/B table: both versions' medians, second / first, and the change; no torch targets."""
+    titles = lib_titles(libs)
+    lines = _table_head(
+        ["metric"] + [titles[lib] for lib in libs] + ["ratio (second / first)",
+                                                      f"change (±{AB_TOLERANCE * 100:g} %)"],
+        ["---", "---:", "---:", ":---", ":---"])
+    for key, label, unit, higher, _ in metric_specs():
+        row = [label] + [_value_cell(summary, lib, key, unit, rounds, il_rounds)[0]
+                         for lib in libs]
+        ratio = ab_ratio(summary, libs, key)
+        if ratio is None:
+            row += ["—", "—"]
+        else:
+            better = "higher is better" if higher else "lower is better"
+            row += [f"{ratio:.3f}× ({better})", ab_change(ratio, higher)[0]]
+        lines.append("| " + " | ".join(row) + " |")
+    a, b = (summary[lib]["clean_shutdowns"] for lib in libs)
+    row = [SHUTDOWN_LABEL] + [_shutdown_cell(summary[lib], rounds) for lib in libs]
+    row += ["—", "same" if a == b else ("**worse**" if b < a else "better")]
+    lines.append("| " + " | ".join(row) + " |")
+    return "\n".join(lines)
+
+
 def build_per_round(summary: dict, libs: list) -> str:
-    cols = ["metric"] + [f"{LIB_TITLES[lib]} per round" for lib in libs]
-    lines = ["| " + " | ".join(cols) + " |", "|" + "|".join(["---"] * len(cols)) + "|"]
+    titles = lib_titles(libs)
+    cols = ["metric"] + [f"{titles[lib]} per round" for lib in libs]
+    lines = _table_head(cols, ["---"] * len(cols))
     for key, label, unit, *_ in metric_specs():
         row = [label]
         for lib in libs:
@@ -537,16 +665,58 @@ def build_per_round(summary: dict, libs: list) -> str:
     return "\n".join(lines)
 
 
+def _ab_versions(summary: dict, libs: list, machine: dict) -> list:
+    """A/B report: the versions compared and where each one's workers imported torchwire
+    from."""
+    titles = lib_titles(libs)
+    lines = [f"- Python {machine['python']}, torch {machine['torch']}"]
+    for lib in libs:
+        imported = ", ".join(f"`{p}`" for p in summary[lib]["imported"]) or "nothing (failed)"
+        lines.append(f"- {titles[lib]}: {describe_checkout(checkout_of(lib))} at "
+                     f"`{checkout_of(lib)}`; workers imported torchwire from {imported} "
+                     "(each worker checks its own)")
+    return lines
+
+
+def _ab_ratio_lines(summary: dict, libs: list) -> list:
+    titles = lib_titles(libs)
+    worse = ab_worse(summary, libs)
+    return [
+        f"- Ratio is {titles[libs[1]]} / {titles[libs[0]]} of the medians (second / first); "
+        "for latency lower is better, for throughput and bandwidth higher is better. "
+        f"\"change\" is the second's median against the first's; **worse** marks a metric "
+        f"more than {AB_TOLERANCE * 100:g} % worse. torch's targets are not judged here.",
+        f"- Worse by more than {AB_TOLERANCE * 100:g} %: "
+        + (f"{len(worse)} of {len(metric_specs())} metrics: " + "; ".join(worse) if worse
+           else "none") + ".",
+    ]
+
+
 def build_report(summary, libs, rounds, cfg, args, machine, started, elapsed) -> str:
     echo_iters = ", ".join(f"{k}: {v}" for k, v in cfg["echo_iters"].items())
-    order = ", ".join(LIB_TITLES[lib] for lib in libs)
+    titles = lib_titles(libs)
+    ab = is_ab(libs)
+    order = ", ".join(titles[lib] for lib in libs)
+    if ab:
+        title = f"# torchwire A/B benchmark: {titles[libs[0]]} vs {titles[libs[1]]}"
+        versions = _ab_versions(summary, libs, machine)
+        ratio_lines = _ab_ratio_lines(summary, libs)
+        table = build_ab_table(summary, libs, rounds, cfg["il_blocks"])
+    else:
+        title = "# torchwire vs torch.distributed.rpc benchmark"
+        versions = [f"- Python {machine['python']}, torch {machine['torch']}, "
+                    f"torchwire {machine['torchwire']}"]
+        ratio_lines = [
+            "- Ratio is torchwire / torch of the medians; for latency lower is better, for "
+            "throughput and bandwidth higher is better."]
+        table = build_table(summary, libs, rounds, cfg["il_blocks"])
     parts = [
-        "# torchwire vs torch.distributed.rpc benchmark",
+        title,
         "",
         f"- Date: {started.strftime('%Y-%m-%d %H:%M:%S %Z').strip()}",
         f"- Machine: {machine['cpu']}, {machine['cores']} cores, {machine['mem']} RAM, "
         f"{machine['os']}",
-        f"- Python {machine['python']}, torch {machine['torch']}, torchwire {machine['torchwire']}",
+    ] + versions + [
         "- Command: `" + " ".join(["python bench/bench.py"] + list(args)) + "`",
         f"- Mode: {'quick' if cfg['sync_n'] < 2000 else 'full'}; total wall time {elapsed:.0f} s",
         "",
@@ -589,20 +759,19 @@ def build_report(summary, libs, rounds, cfg, args, machine, started, elapsed) ->
         "- Network channel forced: after each round, 2 more processes of the same library "
         f"with `{NET_OPTIONS}` (TensorPipe's TCP transport and through-the-socket channel; "
         "torchwire: TCP, buffers through the socket) run the echo sweep from 1 MiB.",
-        "- Ratio is torchwire / torch of the medians; for latency lower is better, for "
-        "throughput and bandwidth higher is better.",
+    ] + ratio_lines + [
         "",
         "## Results",
         "",
-        build_table(summary, libs, rounds, cfg["il_blocks"]),
+        table,
         "",
     ]
     notes = []
     for lib in libs:
         for e in summary[lib]["errors"]:
-            notes.append(f"- {LIB_TITLES[lib]} {e}")
+            notes.append(f"- {titles[lib]} {e}")
         for n in summary[lib]["notes"]:
-            notes.append(f"- {LIB_TITLES[lib]}: {n}")
+            notes.append(f"- {titles[lib]}: {n}")
     if notes:
         parts += ["## Errors and notes", ""] + notes + [""]
     parts += ["## Per-round values", "", build_per_round(summary, libs), ""]
@@ -613,6 +782,31 @@ def build_report(summary, libs, rounds, cfg, args, machine, started, elapsed) ->
 # main
 
 
+def _parse_lib_spec(ap, name: str) -> str:
+    """``torch``, ``torchwire``, or ``torchwire@PATH`` with PATH made absolute (a checkout
+    of this repository: PATH/torchwire/__init__.py must exist)."""
+    base, path = split_spec(name)
+    if base not in LIB_TITLES:
+        ap.error(f"unknown library {name!r}; choose from {', '.join(LIB_TITLES)}, "
+                 "torchwire@PATH")
+    if path is None:
+        return base
+    if base != "torchwire":
+        ap.error(f"{name!r}: only torchwire can be taken from another checkout (@PATH)")
+    path = os.path.realpath(os.path.expanduser(path))
+    if not os.path.isfile(os.path.join(path, "torchwire", "__init__.py")):
+        ap.error(f"{name!r}: {path}/torchwire/__init__.py does not exist")
+    return f"torchwire@{path}"
+
+
+def _default_out(libs: list) -> str:
+    """BENCHMARKS.md, except in A/B mode: a new file in the temp directory."""
+    if not is_ab(libs):
+        return os.path.join(REPO_ROOT, "BENCHMARKS.md")
+    stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+    return os.path.join(tempfile.gettempdir(), f"torchwire-ab-{stamp}.md")
+
+
 def parse_args(argv):
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -621,9 +815,12 @@ def parse_args(argv):
     ap.add_argument("--rounds", type=int, default=None,
                     help="rounds per library (default 3, or 1 with --quick)")
     ap.add_argument("--libs", "--lib", dest="libs", nargs="+", default=["torch", "torchwire"],
-                    help="libraries to run, comma or space separated (torch, torchwire)")
-    ap.add_argument("--out", default=os.path.join(REPO_ROOT, "BENCHMARKS.md"),
-                    help="markdown report path (default: BENCHMARKS.md at the repo root)")
+                    help="libraries to run, comma or space separated (torch, torchwire); "
+                    "torchwire@PATH: torchwire from the checkout at PATH, for an A/B of two "
+                    "torchwire versions (e.g. torchwire@/work/base torchwire)")
+    ap.add_argument("--out", default=None,
+                    help="markdown report path (default: BENCHMARKS.md at the repo root; "
+                    "in A/B mode a new torchwire-ab-*.md in the temp directory)")
     ap.add_argument("--stall-timeout", type=float, default=90.0,
                     help="kill a round after this many seconds without progress (default 90)")
     ap.add_argument("--round-timeout", type=float, default=240.0,
@@ -636,11 +833,16 @@ def parse_args(argv):
             name = name.strip()
             if not name:
                 continue
-            if name not in LIB_TITLES:
-                ap.error(f"unknown library {name!r}; choose from {', '.join(LIB_TITLES)}")
-            if name not in libs:
-                libs.append(name)
+            lib = _parse_lib_spec(ap, name)
+            if lib not in libs:
+                libs.append(lib)
     args.libs = libs
+    if is_ab(libs) and (len(libs) != 2 or any(split_spec(lib)[0] != "torchwire"
+                                              for lib in libs)):
+        ap.error("torchwire@PATH is for an A/B of two torchwire versions: give exactly two, "
+                 "e.g. --libs torchwire@/work/base torchwire")
+    if args.out is None:
+        args.out = _default_out(libs)
     if args.rounds is None:
         args.rounds = 1 if args.quick else 3
     if args.rounds < 1:
@@ -664,8 +866,9 @@ def main(argv=None):
     # Let a worker that finds the other one gone fail fast instead of waiting.
     ctx = mp.get_context("spawn")
     results = {lib: [] for lib in args.libs}
+    titles = lib_titles(args.libs)
     log(f"[{time.monotonic() - t0:6.1f}s] short alternating latency rounds: "
-        f"{', '.join(LIB_TITLES[lib] for lib in args.libs)}")
+        f"{', '.join(titles[lib] for lib in args.libs)}")
     interleaved = run_interleaved(ctx, args.libs, cfg, log)
     given_up = {}
     for rnd in range(args.rounds):
@@ -674,9 +877,9 @@ def main(argv=None):
                 results[lib].append({"metrics": {}, "extra": {}, "errors": [
                     f"skipped (an earlier round hung: {given_up[lib]})"], "notes": [],
                     "clean_shutdown": False, "shutdown_s": None, "timed_out": False,
-                    "init_s": {}, "wall_s": 0.0})
+                    "init_s": {}, "imported": [], "wall_s": 0.0})
                 continue
-            log(f"[{time.monotonic() - t0:6.1f}s] round {rnd + 1}/{args.rounds}: {LIB_TITLES[lib]}")
+            log(f"[{time.monotonic() - t0:6.1f}s] round {rnd + 1}/{args.rounds}: {titles[lib]}")
             r = run_round(ctx, lib, cfg, args.stall_timeout, args.round_timeout,
                           shutdown_timeout=60.0, log=log)
             if not r["timed_out"]:  # the network-forced echo sweep: 2 more processes
