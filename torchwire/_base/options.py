@@ -180,3 +180,21 @@ def channel_allowed(options, name: str) -> bool:
     if channels is None:
         return True
     return name in {_CHANNEL_ALIASES.get(c, c) for c in channels}
+
+
+def resolve_timeout(timeout, default: float) -> float:
+    """A call's timeout in seconds: ``default`` (the agent's ``rpc_timeout``) for -1 or
+    None, 0 for no limit.
+
+    Raises:
+        TypeError: not a number.
+        ValueError: negative (other than -1).
+    """
+    if timeout is None or timeout == UNSET_RPC_TIMEOUT:
+        return default
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
+        raise TypeError(f"timeout must be a number of seconds, got {type(timeout).__name__}")
+    if timeout < 0:
+        raise ValueError(f"timeout must be >= 0 seconds (0 = no limit) or -1 for the default, "
+                         f"got {timeout}")
+    return float(timeout)
