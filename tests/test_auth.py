@@ -286,7 +286,8 @@ def _stranger(addr_q, out_q, done, target: str, timeout: float) -> None:
         # 4. a worker of another job (its own rendezvous, its own secret) dials in
         rpc.init_rpc("intruder", rank=0, world_size=1,
                      rpc_backend_options=options(new_init_method()))
-        own_auth = rpc.api._agent._job  # its job's JobAuth: another secret, another token
+        # its job's JobAuth: another secret, another token
+        own_auth = rpc.api._get_current_rpc_agent()._job
         for kind in ("tcp", "unix"):
             s = dial(kind)
             try:
@@ -315,7 +316,7 @@ def test_strangers_and_other_jobs_are_refused_and_no_pickle_is_loaded(tmp_path):
     def body(rank, world_size):
         logs = _capture_logs()
         if rank == 0:
-            listener = rpc.api._agent._listener
+            listener = rpc.api._get_current_rpc_agent()._listener
             addr_q.put((list(listener.tcp_address), listener.unix_address))
         assert done.wait(60), "the stranger did not finish"
         peer = f"worker{1 - rank}"
@@ -538,7 +539,7 @@ def test_tls_between_workers_end_to_end(tls_files):
         futs = [rpc.rpc_async(peer, _add, args=(torch.full((1 + 5000 * (i % 7),), i), 1))
                 for i in range(200)]
         assert all(f.wait()[0].item() == i + 1 for i, f in enumerate(futs))
-        agent = rpc.api._agent
+        agent = rpc.api._get_current_rpc_agent()
         conn = agent._peers[1 - rank].out
         return (torch.equal(out, big + 1), small, rpc.stats()["transports"],
                 isinstance(conn.sock, TlsSocket))
@@ -552,7 +553,7 @@ def test_tls_between_workers_end_to_end(tls_files):
 
 def test_listener_binds_the_chosen_interface_not_every_interface():
     def body(rank, world_size):
-        agent = rpc.api._agent
+        agent = rpc.api._get_current_rpc_agent()
         me = agent._peers[rank].record["tcp"][0]
         return agent._listener.tcp_address[0], me, rpc.rpc_sync(f"worker{1 - rank}", _add,
                                                                   args=(rank, 1))

@@ -409,7 +409,7 @@ def body_malformed_plain_messages():
     (Their order there is not fixed: a slow log write can hand the reading to another
     thread, and the rest run on the pool.)"""
     from torchwire._autograd.kinds import AutogradKind
-    agent = rpc.api._agent
+    agent = rpc.api._get_current_rpc_agent()
     rpc.rpc_sync("worker1", capture_torchwire_log, args=(True,))
     try:
         agent.notify_plain(1, bytes([250]))  # a kind nobody registered

@@ -304,7 +304,7 @@ def test_worker_killed_before_anyone_connected_to_it_is_reported_at_once():
 
 
 def _probe_alive(rank):
-    return rpc.api._agent._probe(rank)
+    return rpc.api._get_current_rpc_agent()._probe(rank)
 
 
 # ---------------------------------------------------------------- frozen worker (SIGSTOP)
@@ -379,7 +379,7 @@ def test_heartbeat_does_not_disturb_a_busy_or_idle_healthy_job():
             assert rpc.rpc_sync("worker1", nap, args=(3.0,)) == 3.0
             time.sleep(1.5)
             assert rpc.rpc_sync("worker1", add, args=(1, 1)) == 2
-        down = rpc.api._agent._health.down()
+        down = rpc.api._get_current_rpc_agent()._health.down()
         rpc.shutdown()
         return down
 
@@ -439,7 +439,7 @@ def test_garbage_after_the_handshake_drops_that_connection_and_the_worker_keeps_
                      rpc_backend_options=options(init_method, auth_secret=secret,
                                                  _transports=["tcp"],
                                                  max_message_size=1 << 30))
-        agent = rpc.api._agent
+        agent = rpc.api._get_current_rpc_agent()
         if rank == 0:
             addr_q.put(tuple(agent._listener.tcp_address))
             addr_q.put(agent._job._key)

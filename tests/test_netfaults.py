@@ -156,7 +156,7 @@ def test_three_hosts_talk_over_tcp(hosts):
     def body(rank):
         peers = [r for r in range(3) if r != rank]
         got = [rpc.rpc_sync(f"worker{r}", add, args=(rank, r)) for r in peers]
-        return got, rpc.api._agent.stats()["transports"]
+        return got, rpc.api._get_current_rpc_agent().stats()["transports"]
 
     for rank, (got, transports) in enumerate(_run(hosts, body)):
         assert got == [rank + r for r in range(3) if r != rank]

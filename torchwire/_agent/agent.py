@@ -46,7 +46,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import enum
 import itertools
 import logging
 import socket
@@ -62,8 +61,10 @@ from .._base import devices as _devices, intraop as _intraop, threads as _thread
 from .. import _serialization as ser
 from .._base.errors import (ConnectionClosedError, ProtocolError, RpcStateError, RpcTimeoutError,
                       SerializationError, WorkerUnavailableError)
-from .future import Deferred, Future, SyncReply, set_dispatcher
+from .future import Deferred, Future, SyncReply
 from .liveness import PeerHealth
+from .plugins import AgentPlugin
+from .state import AgentState
 from .pool import WorkerPool
 from .timer import DeadlineTimer
 from .._wire import cma, shm
@@ -80,12 +81,6 @@ log = logging.getLogger("torchwire")
 
 _LIVENESS_PERIOD = 1.0  # seconds between liveness checks while shutdown waits
 _INLINE_MAX = 4  # a reader runs a batch of at most this many requests itself
-
-
-class AgentState(enum.Enum):
-    RUNNING = "running"
-    DRAINING = "draining"
-    CLOSED = "closed"
 
 
 class _Peer:
@@ -186,7 +181,6 @@ class RpcAgent:
         self._health = PeerHealth(
             self, getattr(options, "heartbeat_interval", DEFAULT_HEARTBEAT_INTERVAL),
             getattr(options, "heartbeat_timeout", DEFAULT_HEARTBEAT_TIMEOUT))
-        set_dispatcher(self._pool.submit)
         self._desc = repr(self.info)
         self._use_cma = channel_allowed(options, "cma")
         self._use_shm = channel_allowed(options, "shm") and shm.available()
@@ -236,15 +230,32 @@ class RpcAgent:
         self._health.start()
 
     def add_plugin(self, plugin) -> None:
-        """Attach a layer above the agent (RRefs) to shutdown.
+        """Attach a layer above the agent (``runtime.AgentPlugin``: the RRef context,
+        the autograd container) to shutdown and to the news of lost peers.
 
-        ``plugin`` has ``settle(deadline)`` (send everything queued and wait for it;
-        called before each termination-detection round), ``idle() -> bool``,
-        ``all_arrived()`` (every worker has entered graceful shutdown) and
-        ``close()`` (the agent is closed); optionally ``peer_lost(rank, error)``
-        (that worker is gone or cut off; called once per loss, on a pool thread).
+        Raises:
+            TypeError: ``plugin`` does not implement ``AgentPlugin``.
         """
+        if not isinstance(plugin, AgentPlugin):
+            raise TypeError(f"{type(plugin).__name__} is not an AgentPlugin")
         self._plugins.append(plugin)
+
+    def set_membership(self, membership) -> None:
+        """A dynamic group's membership (``runtime.GroupMembership``): it admits the
+        connections of newcomers, and graceful shutdown leaves the group through it."""
+        self.membership = membership
+
+    @property
+    def closed(self) -> bool:
+        return self.state is AgentState.CLOSED
+
+    def defer(self, fn, *args) -> None:
+        """Run ``fn(*args)`` on the pool (off an I/O thread).
+
+        Raises:
+            RpcStateError: the pool is shut down.
+        """
+        self._pool.submit(fn, *args)
 
     # ------------------------------------------------------------------ name table
 
@@ -371,12 +382,10 @@ class RpcAgent:
         self._health.forget(rank)
         self._update_router()
         for p in self._plugins:  # here, not on the pool: before the rank can be reused
-            hook = getattr(p, "peer_lost", None)
-            if hook is not None:
-                try:
-                    hook(rank, err)
-                except Exception:
-                    log.exception("torchwire: %r could not forget rank %d", p, rank)
+            try:
+                p.peer_lost(rank, err)
+            except Exception:
+                log.exception("torchwire: %r could not forget rank %d", p, rank)
 
     def _update_router(self) -> None:
         """Device maps of a dynamic group: route to the members of now; and the
@@ -950,12 +959,10 @@ class RpcAgent:
             return
         log.warning("torchwire: %s lost worker %s: %s", self.name, self._name_of(rank), why)
         for p in self._plugins:
-            hook = getattr(p, "peer_lost", None)
-            if hook is not None:
-                try:
-                    self._pool.submit(hook, rank, err)
-                except RuntimeError:
-                    pass  # the pool is shut down: so is everything the hook would fix
+            try:
+                self._pool.submit(p.peer_lost, rank, err)
+            except RpcStateError:
+                pass  # the pool is shut down: so is everything the hook would fix
 
     def _open_connections(self) -> list:
         """Every socket connection, in and out (for the heartbeat)."""
@@ -1007,7 +1014,7 @@ class RpcAgent:
         previous = None
         full = False  # publish per-peer counts (some worker is gone or cut off)
         for r in itertools.count():
-            self._settle(deadline)
+            self.settle(deadline)
             keys = [f"sd/{r}/{k}" for k in range(world)]
             try:
                 store.set(keys[self.rank], self._shutdown_record(full))
@@ -1022,8 +1029,7 @@ class RpcAgent:
             if balanced and state == previous:
                 break
             if r == 0:
-                for p in self._plugins:
-                    p.all_arrived()
+                self.all_arrived()
             previous = state
         # Exit barrier: rank 0 may host the store, so it leaves last.
         store.set(f"sd/exit/{self.rank}", "1")
@@ -1051,7 +1057,13 @@ class RpcAgent:
             vec = " ".join(f"{s}:{r}" for s, r in zip(self._sent_to, self._recv_from))
         return f"{head};{vec};{','.join(map(str, down))}"
 
-    def _settle(self, deadline: float) -> None:
+    def all_arrived(self) -> None:
+        """Every worker has entered graceful shutdown (or this one leaves its dynamic
+        group): tell the plug-ins (the RRef context deletes its user RRefs)."""
+        for p in self._plugins:
+            p.all_arrived()
+
+    def settle(self, deadline: float) -> None:
         """Wait until no call is pending and no plugin has control messages to send."""
         while True:
             for p in self._plugins:

@@ -14,28 +14,27 @@ from __future__ import annotations
 import copy
 import logging
 import threading
-from typing import Any, Callable
 
 import torch
 
 from .._base import threads as _threads
+from .._base.errors import CallbackError, RpcStateError
+from .runtime import current
 
 log = logging.getLogger("torchwire")
 
-_dispatcher: Callable[[Callable, Any], None] | None = None
-
-
-def set_dispatcher(fn) -> None:
-    """Install the function that moves a callback off an I/O thread (the agent's pool)."""
-    global _dispatcher
-    _dispatcher = fn
-
 
 def _run_off_io(fn, arg) -> None:
-    if _threads.in_io_thread() and _dispatcher is not None:
-        _dispatcher(fn, arg)
-    else:
-        fn(arg)
+    """``fn(arg)``, on the runtime's pool when called on an I/O thread."""
+    if _threads.in_io_thread():
+        rt = current.runtime
+        if rt is not None:
+            try:
+                rt.agent.defer(fn, arg)
+                return
+            except RpcStateError:
+                pass  # the pool is shut down: run it here, nothing else would
+    fn(arg)
 
 
 class Deferred:
@@ -62,7 +61,7 @@ class Future(torch.futures.Future):
                 child.set_result(callback(fut))
             except Exception as exc:
                 # torch's wording: code ported from torch matches on it
-                err = RuntimeError("Got the following error when running the callback: "
+                err = CallbackError("Got the following error when running the callback: "
                                    f"{type(exc).__name__}: {exc}")
                 err.__cause__ = exc
                 child.set_exception(err)
@@ -117,11 +116,7 @@ class Future(torch.futures.Future):
         """
         try:
             if not self.done():
-                _threads.before_blocking()
-            pool = _threads.current_pool()
-            if pool is not None and not self.done():
-                with pool.blocking():
-                    return super().wait()
+                return _threads.wait_blocking(super().wait)
             return super().wait()
         except BaseException as exc:
             raise _fresh(exc) from exc.__cause__
@@ -166,13 +161,7 @@ class SyncReply:
         """Block until done; return the value or raise (a copy of) the error, as
         :meth:`Future.wait`."""
         if not self._done:
-            _threads.before_blocking()
-            pool = _threads.current_pool()
-            if pool is not None:
-                with pool.blocking():
-                    self._lock.acquire()
-            else:
-                self._lock.acquire()
+            _threads.wait_blocking(self._lock.acquire)
         error = self._error
         if error is not None:
             raise _fresh(error) from error.__cause__
@@ -229,13 +218,7 @@ def wait_all(futures):
     for f in futures:
         torch._C.Future.add_done_callback(f, one_done)  # inline: bookkeeping only
     if not finished.is_set():
-        _threads.before_blocking()
-        pool = _threads.current_pool()
-        if pool is not None:
-            with pool.blocking():
-                finished.wait()
-        else:
-            finished.wait()
+        _threads.wait_blocking(finished.wait)
     failed = state["failed"]
     if failed is not None:
         failed.wait()  # raises its error

@@ -23,6 +23,7 @@ import threading
 import time
 
 from .._base import intraop as _intraop, threads as _threads
+from .._base.errors import RpcStateError
 
 log = logging.getLogger("torchwire")
 
@@ -55,7 +56,7 @@ class WorkerPool:
     def submit(self, fn, *args) -> None:
         with self._lock:
             if self._stopping and self._threads == 0:
-                raise RuntimeError("pool is shut down")
+                raise RpcStateError("pool is shut down")
             self._queue.append((fn, args))
             self._wake_locked(1)
 

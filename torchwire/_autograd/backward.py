@@ -42,156 +42,14 @@ import traceback
 import torch
 
 from .. import _serialization as ser
-from .._base import intraop as _intraop, threads as _threads
-from .._base.errors import ProtocolError, RemoteError, RpcTimeoutError, WorkerUnavailableError
-from .context import DistAutogradContext, container
+from .._base import threads
+from .._base.errors import (DistAutogradError, ProtocolError, RemoteError, RpcStateError,
+                            RpcTimeoutError, WorkerUnavailableError)
+from .context import ContextContainer, DistAutogradContext, container
 from .kinds import AutogradKind
-from .recording import _anchor, _pass
+from .engine import _local_pass
 
 log = logging.getLogger(__name__)
-
-
-class _Through(torch.autograd.Function):
-    """Identity: a leaf sent as is enters a local pass through its AccumulateGrad node,
-    as any other leaf does (its hooks run)."""
-
-    @staticmethod
-    def forward(ctx, t):
-        return t.detach()  # an alias: same memory, no view (sparse tensors have none)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad
-
-
-def _leaves(outputs) -> list[tuple[torch.Tensor, object]]:
-    """``(leaf, its AccumulateGrad node)`` for every leaf of the graph under ``outputs``."""
-    seen: set = set()
-    stack = [o.grad_fn for o in outputs]
-    leaves = []
-    while stack:
-        node = stack.pop()
-        if node is None or node in seen:
-            continue
-        seen.add(node)
-        if type(node) is _ACCUMULATE:  # (getattr(node, "variable") raises elsewhere: slow)
-            var = node.variable
-            if var is not _anchor:
-                leaves.append((var, node))
-            continue
-        for f, _ in node.next_functions:  # (a plain loop: no generator frames)
-            stack.append(f)
-    return leaves
-
-
-_ACCUMULATE = torch._C._functions.AccumulateGrad
-
-
-_hooked = threading.Lock()
-
-
-def _capture(state, leaf, captured: list):
-    """A pre-hook for ``leaf``'s AccumulateGrad node in the pass ``state``: takes the
-    gradient (after the leaf's own hooks) for the context and leaves ``.grad`` alone."""
-    def hook(grad_inputs):
-        if _pass.current is not state:
-            return None  # another pass, or a plain backward(), through the same leaf
-        if grad_inputs[0] is not None:
-            captured.append((leaf, grad_inputs[0]))
-        return (None,)  # AccumulateGrad skips an undefined gradient; its post hooks run
-    return hook
-
-
-_engine = getattr(getattr(torch.autograd, "variable", None), "Variable", None)
-_run_backward = getattr(getattr(_engine, "_execution_engine", None), "run_backward", None)
-_PLAIN = (torch.Tensor, torch.nn.Parameter)
-
-
-def _engine_backward(outputs: list, grads: list, retain: bool, inputs: list) -> None:
-    """``torch.autograd.backward(outputs, grads, retain_graph=retain, inputs=inputs)``.
-
-    Plain tensors go straight to the engine (what that function ends in): its Python
-    checks cost ~70 µs a pass with the caches cold, as between messages, against
-    ~10 µs hot.  The engine still validates each gradient against its output.
-    Tensor subclasses (``__torch_function__``) take the public function."""
-    plain = _run_backward is not None
-    if plain:
-        for t in outputs:
-            if type(t) not in _PLAIN:
-                plain = False
-        for t in inputs:
-            if type(t) not in _PLAIN:
-                plain = False
-    if plain:
-        _run_backward(tuple(outputs), tuple(grads), retain, False, tuple(inputs),
-                      allow_unreachable=True, accumulate_grad=True)
-    else:
-        torch.autograd.backward(outputs, grads, retain_graph=retain, inputs=inputs)
-
-
-
-def _local_pass(ctx: DistAutogradContext, outputs, grads, retain: bool) -> dict:
-    """One run of the local engine; returns ``{(src, send id): grad}`` to send on.
-
-    As torch's distributed engine, every AccumulateGrad node reached runs its hooks
-    (the leaf's tensor hooks, then the node's pre and post hooks), and the gradient
-    goes into the context instead of ``.grad``: a pre-hook of ours takes it.  Graphs
-    with tensors off the CPU use ``torch.autograd.grad`` instead (their nodes run on
-    the engine's device threads, where the running pass is not known): the same
-    gradients, without the nodes' pre and post hooks.
-    """
-    # Plain loops, not generator expressions: each element of one costs a frame
-    # resumption, microseconds with the caches cold (as between messages).
-    inner, inner_grads = [], []
-    cpu, numel = True, 0
-    for t, g in zip(outputs, grads):
-        if t.grad_fn is None:
-            if not t.requires_grad:
-                continue
-            with torch.enable_grad():  # a leaf sent as is
-                t = _Through.apply(t)
-        inner.append(t)
-        inner_grads.append(g)
-        cpu = cpu and t.is_cpu
-        numel += g.numel()
-    if not inner:
-        return {}
-    leaves = _leaves(inner)
-    inputs = []
-    for leaf, _ in leaves:
-        inputs.append(leaf)
-        cpu = cpu and leaf.is_cpu
-        numel += leaf.numel()
-    out: dict = {}
-    captured: list = []
-    prev = _pass.current
-    state = _pass.current = (ctx.id, out)
-    try:
-        if cpu:
-            # One such pass at a time (torch's engine runs them all on one thread too):
-            # hooks added or removed while another pass runs the same node's hooks
-            # could make it skip ours.
-            with _hooked:
-                handles = [node.register_prehook(_capture(state, leaf, captured))
-                           for leaf, node in leaves]
-                serial = _intraop.serial_for(numel)
-                try:
-                    inputs.append(_anchor)
-                    _engine_backward(inner, inner_grads, retain, inputs)
-                finally:
-                    if serial is not None:
-                        _intraop.restore(serial)
-                    for h in handles:
-                        h.remove()
-        else:
-            got = torch.autograd.grad(inner, inputs + [_anchor],
-                                      inner_grads, retain_graph=retain, allow_unused=True)
-            captured = [(leaf, g) for (leaf, _), g in zip(leaves, got) if g is not None]
-            del got
-    finally:
-        _pass.current = prev
-    ctx.accumulate(captured)
-    return out
 
 
 def _failure(rank: int, exc: BaseException, tb: str | None = None, agent=None) -> tuple:
@@ -305,7 +163,7 @@ def _split(weight: int, dests) -> list[tuple[int, int]]:
     k = len(dests)
     share, extra = divmod(weight, k)
     if share == 0:
-        raise RuntimeError("the distributed backward pass branched too often to track "
+        raise DistAutogradError("the distributed backward pass branched too often to track "
                            f"(its weight ran out at a fan-out to {k} workers)")
     return [(d, share + (i < extra)) for i, d in enumerate(dests)]
 
@@ -321,7 +179,7 @@ def _forward(c, ctx: DistAutogradContext, key: tuple, weight: int, outgoing: dic
         by_dest.setdefault(src, []).append((sid, g))
     try:
         shares = _split(weight, list(by_dest)) if by_dest else []
-    except RuntimeError as exc:
+    except DistAutogradError as exc:
         _report(c, key, (c.rank, weight, []), _failure(c.rank, exc))
         return
     report = (c.rank, weight, shares)
@@ -336,20 +194,16 @@ def _forward(c, ctx: DistAutogradContext, key: tuple, weight: int, outgoing: dic
             ctx.forwarded.setdefault(key, set()).update(by_dest)
     failure = None
     agent = c.agent
-    prev = ser.set_grad_context(None)  # control traffic of the pass, in no context
-    try:
-        for dest, share in shares:
-            # counted before it goes: the pass may end before the write returns
-            c.pass_messages += 1  # (racy by a count at worst, between threads)
-            try:
-                _send_grads(agent, dest, ctx.id, key, share, by_dest[dest],
-                            report if carried and dest == root else None)
-            except Exception as exc:  # the worker is gone or cut off
-                c.pass_messages -= 1
-                if failure is None:
-                    failure = _failure(dest, exc, "")
-    finally:
-        ser.set_grad_context(prev)
+    for dest, share in shares:
+        # counted before it goes: the pass may end before the write returns
+        c.pass_messages += 1  # (racy by a count at worst, between threads)
+        try:
+            _send_grads(agent, dest, ctx.id, key, share, by_dest[dest],
+                        report if carried and dest == root else None)
+        except Exception as exc:  # the worker is gone or cut off
+            c.pass_messages -= 1
+            if failure is None:
+                failure = _failure(dest, exc, "")
     if carried:
         report = None
     if report is not None or failure is not None:
@@ -361,7 +215,6 @@ def _report(c, key: tuple, report, failure) -> None:
         _move(c, key, report, failure)
         return
     agent = c.agent
-    prev = ser.set_grad_context(None)
     c.pass_messages += 1
     try:
         try:
@@ -373,8 +226,6 @@ def _report(c, key: tuple, report, failure) -> None:
     except Exception as exc:  # the root is gone: nobody waits for this pass
         c.pass_messages -= 1
         log.debug("torchwire: report of backward pass %s not sent: %s", key, exc)
-    finally:
-        ser.set_grad_context(prev)
 
 
 # The pass's messages are plain (not pickled, ``RpcAgent.notify_plain``): a marshal of
@@ -461,7 +312,8 @@ def _backward_hop(context_id: int, key: tuple, weight: int, items, report) -> No
             outputs = [ctx.sends[sid] for sid, _ in items]
     except Exception as exc:
         if isinstance(exc, KeyError):
-            exc = RuntimeError(f"autograd context {context_id} has no send entry {exc} here")
+            exc = DistAutogradError(f"autograd context {context_id} has no send entry {exc} "
+                                    "here")
         _report(c, key, (c.rank, weight, []), _failure(c.rank, exc))
         return
     _part(c, ctx, key, weight, outputs, [g for _, g in items], True)
@@ -473,16 +325,16 @@ def _check_roots(roots) -> list[torch.Tensor]:
         raise TypeError("backward(): incompatible function arguments: roots must be a list "
                         f"of tensors, got {type(roots).__name__}")
     if not roots:
-        raise RuntimeError("No tensors provided for gradient computation.")
+        raise DistAutogradError("No tensors provided for gradient computation.")
     for i, t in enumerate(roots):
         if not t.requires_grad:
-            raise RuntimeError(f"requires_grad not set on root tensor {i}")
+            raise DistAutogradError(f"requires_grad not set on root tensor {i}")
         if t.numel() != 1:
-            raise RuntimeError(f"Tensor {i} of shape {tuple(t.shape)} is not a scalar, all "
-                               "roots need to be scalar")
+            raise DistAutogradError(f"Tensor {i} of shape {tuple(t.shape)} is not a scalar, "
+                                    "all roots need to be scalar")
         if t.grad_fn is None:
-            raise RuntimeError(f"Tensor {i} does not have a valid gradient function (it is "
-                               "a leaf)")
+            raise DistAutogradError(f"Tensor {i} does not have a valid gradient function "
+                                    "(it is a leaf)")
     return list(roots)
 
 
@@ -501,10 +353,11 @@ def backward(context_id: int, roots, retain_graph: bool = False) -> None:
 
     Raises:
         TypeError: ``context_id`` is not an int or ``roots`` not a list of tensors.
-        RuntimeError: no such context here ("Could not find autograd context with
-            id"), a root is not a scalar, does not require grad or is a leaf; or
-            the pass failed on some worker: "Error on Node <rank>: <error>", with
-            the worker's name (a :class:`RemoteError` when it was another worker).
+        DistAutogradError: no such context here ("Could not find autograd context
+            with id"), a root is not a scalar, does not require grad or is a leaf; or
+            the pass failed on this worker: "Error on Node <rank>: <error>", with
+            the worker's name.
+        RemoteError: the pass failed on another worker (the same message).
         WorkerUnavailableError: the pass had to reach a worker that is gone or cut
             off; the error names it.
 
@@ -541,18 +394,11 @@ def _wait(c, rec: _Pass) -> None:
     As a torchwire future's ``wait``: a reader running this in place (``backward``
     inside an RPC) first hands its reading off, as the pass's reports may come on its
     own connection; a pool thread lets the pool start another meanwhile."""
-    timeout = c.agent.rpc_timeout
-    if not rec.done.is_set():
-        _threads.before_blocking()
-    pool = _threads.current_pool()
     with c._lock:
         c.backward_passes += 1
     try:
-        if pool is None:
-            _wait_loop(c, rec, timeout)
-        else:
-            with pool.blocking():
-                _wait_loop(c, rec, timeout)
+        if not rec.done.is_set():
+            threads.wait_blocking(_wait_loop, c, rec, c.agent.rpc_timeout)
     finally:
         with c._lock:
             c.backward_passes -= 1
@@ -577,14 +423,15 @@ def _wait_loop(c, rec: _Pass, timeout: float) -> None:
             f"(the RPC timeout); waiting on {names}")
 
 
-def _error(here: int, failure: tuple) -> RuntimeError:
+def _error(here: int, failure: tuple) -> DistAutogradError | RemoteError | \
+        WorkerUnavailableError:
     rank, name, type_name, message, tb = failure
     text = (f"Error on Node {rank}: {message}\n(in the distributed backward pass on worker "
             f"{name}, {type_name})")
     if tb:
         text += f"\n{tb}"
     if rank == here:
-        return RuntimeError(text)
+        return DistAutogradError(text)
     if type_name.startswith("torchwire.") and type_name.endswith(".WorkerUnavailableError"):
         # the pass could not reach worker `name` (it is gone or cut off): the agent's
         # error, whichever worker found out
@@ -600,33 +447,18 @@ def get_gradients(context_id: int) -> dict:
         ``{tensor: gradient}`` for the leaves that live on this worker.
 
     Raises:
-        RuntimeError: no such context here ("Could not find autograd context with id").
+        DistAutogradError: no such context here ("Could not find autograd context with
+            id").
     """
     ctx = container().get(context_id)
     with ctx.lock:
         return dict(ctx.grads.values())
 
 
-def rref_backward(rref, context_id: int, retain_graph: bool) -> None:
-    """``RRef.backward``: from the owner, locally (``context_id == -1``) or distributed."""
-    if rref.is_owner():
-        _owner_backward(rref.local_value(), context_id, retain_graph)
-        return
-    if context_id == -1:
-        raise RuntimeError("User RRefs require 'dist_autograd_ctx_id' to be specified")
-    c = container()
-    prev = ser.set_grad_context(None)
-    try:
-        c.agent.call(rref.owner(), _rref_backward_remote, (rref, context_id, retain_graph),
-                     None, c.agent.rpc_timeout).wait()
-    finally:
-        ser.set_grad_context(prev)
-
-
 def _owner_backward(value, context_id: int, retain_graph: bool) -> None:
     if not isinstance(value, torch.Tensor):
-        raise RuntimeError(f"RRef should contain a tensor for .backward(), it holds a "
-                           f"{type(value).__name__}")
+        raise DistAutogradError(f"RRef should contain a tensor for .backward(), it holds a "
+                                f"{type(value).__name__}")
     if context_id == -1:
         value.backward(retain_graph=retain_graph)
     else:
@@ -635,3 +467,50 @@ def _owner_backward(value, context_id: int, retain_graph: bool) -> None:
 
 def _rref_backward_remote(rref, context_id: int, retain_graph: bool) -> None:
     _owner_backward(rref.local_value(), context_id, retain_graph)
+
+
+class AutogradContainer(ContextContainer):
+    """This runtime's distributed autograd: the context records, and the agent plug-in
+    (``torchwire._agent.runtime.AgentPlugin``) that fails the passes a lost worker
+    held part of."""
+
+    def settle(self, deadline: float) -> None:
+        pass  # nothing queued: a pass's messages are sent as it runs
+
+    def idle(self) -> bool:
+        return not self.passes
+
+    def all_arrived(self) -> None:
+        pass
+
+    def peer_lost(self, rank: int, error: BaseException) -> None:
+        """A backward pass rooted here fails if the lost worker holds part of it; the
+        root of one that this worker sent gradients on to it hears of the loss."""
+        for rec in list(self.passes.values()):
+            rec.lost(rank, lambda: _failure(rank, error, "", self.agent))
+        for key in self.forwarded_to(rank):
+            _report(self, key, None, _failure(rank, error, "", self.agent))
+
+    def close(self) -> None:
+        """The agent is shut down: every pass still waiting here fails."""
+        err = RpcStateError("RPC agent is shut down before the backward pass completed")
+        for rec in list(self.passes.values()):
+            rec.abort(_failure(self.rank, err, "", self.agent))
+
+    def rref_backward(self, rref, context_id: int, retain_graph: bool) -> None:
+        """``RRef.backward``: from the owner, locally (``context_id == -1``) or distributed.
+
+        Raises:
+            DistAutogradError: -1 on a user RRef; the value is not a tensor; the pass
+                failed.
+        """
+        if rref.is_owner():
+            _owner_backward(rref.local_value(), context_id, retain_graph)
+            return
+        if context_id == -1:
+            raise DistAutogradError("User RRefs require 'dist_autograd_ctx_id' to be specified")
+        agent = self.agent
+        # the owner's backward call belongs to no context (it runs in context_id there)
+        ser.outside_grad_context(lambda: agent.call(
+            rref.owner(), _rref_backward_remote, (rref, context_id, retain_graph), None,
+            agent.rpc_timeout).wait())

@@ -34,7 +34,9 @@ import torch
 import torch._prims_common as _prims
 
 from .. import _serialization as ser
-from .._base.errors import ProtocolError
+from .._agent.agent import AgentState
+from .._agent.runtime import current
+from .._base.errors import DistAutogradError, ProtocolError, not_initialized
 from .kinds import AutogradKind
 
 log = logging.getLogger("torchwire")
@@ -137,9 +139,9 @@ def _copy_for(g: torch.Tensor, leaf: torch.Tensor) -> torch.Tensor:
     return g.clone(memory_format=torch.contiguous_format)
 
 
-def not_found(context_id) -> RuntimeError:
+def not_found(context_id) -> DistAutogradError:
     # torch's phrase: its tests and ported error handling match on it
-    return RuntimeError(f"Could not find autograd context with id: {context_id} (it was "
+    return DistAutogradError(f"Could not find autograd context with id: {context_id} (it was "
                         "never opened here, or its `with dist_autograd.context()` block has "
                         "exited)")
 
@@ -173,7 +175,8 @@ class ContextContainer:
     def new_context(self) -> DistAutogradContext:
         local = next(self._next)
         if local > _MAX_LOCAL_ID:
-            raise RuntimeError("distributed autograd context ids are exhausted on this worker")
+            raise DistAutogradError("distributed autograd context ids are exhausted on this "
+                                    "worker")
         ctx = DistAutogradContext((self.rank << _ID_BITS) | local)
         with self._lock:
             self._contexts[ctx.id] = ctx
@@ -183,7 +186,7 @@ class ContextContainer:
         """The live record of ``context_id``.
 
         Raises:
-            RuntimeError: torch's "Could not find autograd context with id".
+            DistAutogradError: torch's "Could not find autograd context with id".
         """
         ctx = self._contexts.get(context_id)
         if ctx is None:
@@ -241,50 +244,23 @@ class ContextContainer:
             with ctx.lock:
                 known = sorted(ctx.known - {source})
             payload = _RELEASE_BYTE + marshal.dumps(context_id)
-            prev = ser.set_grad_context(None)  # a control message, in no context
-            try:
-                for rank in known:
-                    try:
-                        self.agent.notify_plain(rank, payload)
-                    except Exception as exc:  # the worker is gone: nothing left to free
-                        log.debug("torchwire: release of autograd context %d on rank %d not "
-                                  "sent: %s", context_id, rank, exc)
-            finally:
-                ser.set_grad_context(prev)
+            for rank in known:
+                try:
+                    self.agent.notify_plain(rank, payload)
+                except Exception as exc:  # the worker is gone: nothing left to free
+                    log.debug("torchwire: release of autograd context %d on rank %d not "
+                              "sent: %s", context_id, rank, exc)
         return ctx
 
-    # ------------------------------------------------------------------ agent plugin
-
-    def settle(self, deadline: float) -> None:
-        pass  # nothing queued: a pass's messages are sent as it runs
-
-    def idle(self) -> bool:
-        return not self.passes
-
-    def all_arrived(self) -> None:
-        pass
-
-    def peer_lost(self, rank: int, error: BaseException) -> None:
-        """A backward pass rooted here fails if the lost worker holds part of it; the
-        root of one that this worker sent gradients on to it hears of the loss."""
-        from .backward import _failure, _report
-        for rec in list(self.passes.values()):
-            rec.lost(rank, lambda: _failure(rank, error, "", self.agent))
+    def forwarded_to(self, rank: int) -> list[tuple]:
+        """Keys of the passes of other roots this worker sent gradients on in, to ``rank``."""
         with self._lock:
             contexts = list(self._contexts.values())
+        keys = []
         for ctx in contexts:
             with ctx.lock:
-                keys = [k for k, dests in ctx.forwarded.items() if rank in dests]
-            for key in keys:
-                _report(self, key, None, _failure(rank, error, "", self.agent))
-
-    def close(self) -> None:
-        """The agent is shut down: every pass still waiting here fails."""
-        from .._base.errors import RpcStateError
-        from .backward import _failure
-        err = RpcStateError("RPC agent is shut down before the backward pass completed")
-        for rec in list(self.passes.values()):
-            rec.abort(_failure(self.rank, err, "", self.agent))
+                keys += [k for k, dests in ctx.forwarded.items() if rank in dests]
+        return keys
 
     def debug_info(self) -> dict[str, int]:
         with self._lock:
@@ -300,48 +276,19 @@ class ContextContainer:
         }
 
 
-_container: ContextContainer | None = None
-_container_lock = threading.Lock()
-
-
 def container() -> ContextContainer:
-    """This worker's container (a new one for each RPC agent).
+    """This runtime's container.
 
     Raises:
         RpcStateError: RPC is not initialized.
     """
-    c = _container
-    api = _rpc_api
-    if c is not None and api is not None and c.agent is api._agent and \
-            c.agent.state is not _CLOSED:
-        return c  # the common case: no import statement (microseconds, cold)
-    return _container_slow()
+    rt = current.runtime  # (inlined require_runtime: this is on every message's path)
+    if rt is None or rt.agent.state is _CLOSED:
+        raise not_initialized()
+    return rt.autograd
 
 
-# torchwire.rpc.api and AgentState.CLOSED, once imported (at import time: a cycle)
-_rpc_api = _CLOSED = None
-
-
-def _container_slow() -> ContextContainer:
-    global _rpc_api, _CLOSED
-    from .._agent import AgentState
-    from ..rpc import api
-    _rpc_api, _CLOSED = api, AgentState.CLOSED
-    agent = api._require_agent()
-    c = _container
-    if c is None or c.agent is not agent:
-        c = _new_container(agent)
-    return c
-
-
-def _new_container(agent) -> ContextContainer:
-    global _container
-    with _container_lock:
-        c = _container
-        if c is None or c.agent is not agent:
-            c = _container = ContextContainer(agent)
-            agent.add_plugin(c)
-        return c
+_CLOSED = AgentState.CLOSED
 
 
 _RELEASE_BYTE = bytes([AutogradKind.RELEASE])

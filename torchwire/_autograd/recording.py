@@ -26,6 +26,7 @@ import torch
 
 from .. import _serialization as ser
 from .._agent.future import Deferred, Future
+from .._base.asyncexec import ASYNC_ATTR, is_async
 from .context import container
 from .kinds import AutogradKind
 
@@ -90,8 +91,8 @@ class _InContext:
         self.context_id = context_id
         self.func = func
         # what the agent looks at: async marker and the name in error messages
-        if getattr(func, "_wrapped_async_rpc_function", None) is not None:
-            self._wrapped_async_rpc_function = func
+        if is_async(func):
+            setattr(self, ASYNC_ATTR, func)
         self.__module__ = getattr(func, "__module__", None) or __name__
         self.__qualname__ = (getattr(func, "__qualname__", None)
                              or getattr(func, "__name__", None) or repr(func))
@@ -112,8 +113,7 @@ class _InContext:
             ser.set_grad_context(prev)
         if type(result) is Deferred:  # torchwire-internal (RRef) functions reply later
             result = result.future
-        elif not isinstance(result, torch._C.Future) or \
-                getattr(self, "_wrapped_async_rpc_function", None) is None:
+        elif not isinstance(result, torch._C.Future) or not is_async(self):
             return _Reply(cid, result)
         out = Future()
 
@@ -123,8 +123,7 @@ class _InContext:
             except Exception as exc:
                 out.set_exception(exc)
         torch._C.Future.add_done_callback(result, done)
-        return out if getattr(self, "_wrapped_async_rpc_function", None) is not None \
-            else Deferred(out)
+        return out if is_async(self) else Deferred(out)
 
 
 class _Reply:

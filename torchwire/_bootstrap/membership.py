@@ -55,7 +55,7 @@ import secrets
 import time
 
 from .._base import devices as _devices
-from .._agent import AgentState
+from .._agent.runtime import current
 from .._base.errors import RendezvousError, RpcStateError, RpcTimeoutError, WorkerUnavailableError
 from .rendezvous import claim_group_kind, security_disagreement
 from .._wire.listener import host_identity, listener_alive
@@ -68,7 +68,6 @@ _PROBE_PERIOD = 1.0  # seconds between liveness probes of a lock holder or a mem
 _MIN_NOTICE = 2.0  # seconds a member gets to answer _member_left, even past the deadline
 _LEFT = "it left the RPC group (shutdown)"
 
-_current: Membership | None = None  # this process's dynamic membership, for the handlers
 
 
 class StoreLock:
@@ -247,6 +246,7 @@ class Membership:
         self._budget = budget
         self._hosts_store = hosts_store
         self.agent = None
+        self.left = False  # it left the group (graceful shutdown)
 
     def __repr__(self) -> str:
         return (f"<Membership {self.record['name']} rank={self.rank} lock={self._lock.held} "
@@ -260,17 +260,18 @@ class Membership:
             self._remove_self()
         self._lock.release()
 
-    def attach(self, agent, deadline: float) -> None:
+    def bind(self, agent) -> None:
+        """The agent this membership admits connections for (before it serves)."""
+        self.agent = agent
+
+    def attach(self, deadline: float) -> None:
         """Step 4-5 of a join: tell every member, then release the lock.
 
         Raises:
             RendezvousError: a member did not answer in time; this worker has left the
                 group again and its agent is closed.
         """
-        global _current
-        self.agent = agent
-        agent.membership = self
-        _current = self
+        agent = self.agent
         try:
             self._announce(deadline)
         except BaseException:
@@ -349,7 +350,6 @@ class Membership:
             RpcTimeoutError: calls of ours still pending at ``deadline``, or (the
                 store's host) members that had not left by then.
         """
-        global _current
         agent = self.agent
         if not self._lock.held:
             try:
@@ -361,10 +361,9 @@ class Membership:
         try:
             # torch deletes a worker's user RRefs when it shuts down; the owners must
             # hear of it while this worker is still a member.
-            for p in agent._plugins:
-                p.all_arrived()
+            agent.all_arrived()
             try:
-                agent._settle(deadline)
+                agent.settle(deadline)
             except RpcTimeoutError as exc:
                 error = exc  # tell the members all the same: they must stop calling us
             if self._lock.held:
@@ -381,11 +380,10 @@ class Membership:
                     log.warning("torchwire: %s could not tell %s that it leaves the group: %s",
                                 agent.name, info.name, exc)
             if error is None:
-                agent._settle(deadline)
+                agent.settle(deadline)
         finally:
             self._lock.release()
-            if _current is self:
-                _current = None
+            self.left = True
         if error is not None:
             raise error
         if self._hosts_store:
@@ -441,8 +439,9 @@ class Membership:
 
 
 def _local() -> Membership:
-    m = _current
-    if m is None or m.agent is None or m.agent.state is AgentState.CLOSED:
+    rt = current.runtime
+    m = rt.membership if rt is not None else None
+    if m is None or m.left or m.agent.closed:
         raise RpcStateError("this worker is not a member of a dynamic RPC group")
     return m
 

@@ -22,9 +22,9 @@ Example::
 from __future__ import annotations
 
 from .. import _serialization as ser
-from .._autograd import recording as _recording  # noqa: F401 - installs the serialization hook
 from .._autograd.backward import backward, get_gradients
-from .._autograd.context import DistAutogradContext, container
+from .._autograd.context import DistAutogradContext, container, not_found
+from .._base.errors import DistAutogradError
 
 __all__ = ["context", "backward", "get_gradients", "is_available"]
 
@@ -43,7 +43,7 @@ class context:
     reached.  One context per thread at a time.
 
     Raises:
-        RuntimeError: this thread already has a context ("Already have an
+        DistAutogradError: this thread already has a context ("Already have an
             autograd context id for this thread").
         RpcStateError: RPC is not initialized.
     """
@@ -63,7 +63,7 @@ class context:
 def _new_context() -> DistAutogradContext:
     """Open a context and make it this thread's (torch's ``_new_context``)."""
     if ser.grad_context() is not None:
-        raise RuntimeError(f"Already have an autograd context id for this thread "
+        raise DistAutogradError(f"Already have an autograd context id for this thread "
                            f"({ser.grad_context()}); contexts do not nest")
     ctx = container().new_context()
     ser.set_grad_context(ctx.id)
@@ -74,13 +74,12 @@ def _release_context(context_id: int) -> None:
     """Release ``context_id`` here and on every worker it reached.
 
     Raises:
-        RuntimeError: no such context ("Could not find autograd context with id").
+        DistAutogradError: no such context ("Could not find autograd context with id").
     """
     if ser.grad_context() == context_id:
         ser.set_grad_context(None)
     c = container()
     if c.release(context_id) is None:
-        from .._autograd.context import not_found
         raise not_found(context_id)
 
 
@@ -88,11 +87,11 @@ def _current_context() -> DistAutogradContext:
     """This thread's context.
 
     Raises:
-        RuntimeError: the thread has none.
+        DistAutogradError: the thread has none.
     """
     cid = ser.grad_context()
     if cid is None:
-        raise RuntimeError("Current thread doesn't have a valid autograd context. Please wrap "
+        raise DistAutogradError("Current thread doesn't have a valid autograd context. Please wrap "
                            "your code using: `with torchwire.autograd.context() as "
                            "context_id` to generate a valid context")
     return container().get_or_create(cid)

@@ -7,7 +7,8 @@ from torch import nn
 
 from .. import _serialization as ser
 from .. import rpc
-from .._base.errors import RpcStateError
+from .._agent.runtime import require_agent
+from .._base.errors import RpcStateError, SerializationError
 
 
 def _parse_remote_device(remote_device: str) -> tuple:
@@ -124,10 +125,10 @@ class RemoteModule(nn.Module):
 
     def _prepare(self, remote_device: str) -> None:
         try:
-            rpc.api._require_agent()
+            require_agent()
         except RpcStateError:
-            raise RuntimeError("RemoteModule only works in RPC: call "
-                               "torchwire.rpc.init_rpc first") from None
+            raise RpcStateError("RemoteModule only works in RPC: call "
+                                "torchwire.rpc.init_rpc first") from None
         where, self.device = _parse_remote_device(remote_device)
         self.on = rpc.get_worker_info(where).name
         self.is_device_map_set = False
@@ -178,12 +179,12 @@ class RemoteModule(nn.Module):
         return self.train(False)
 
     def __getstate__(self):
-        raise RuntimeError("Cannot pickle RemoteModule in python pickler. RemoteModule can "
-                           "only be pickled when using RPC")
+        raise SerializationError("Cannot pickle RemoteModule in python pickler. RemoteModule "
+                                 "can only be pickled when using RPC")
 
     def __setstate__(self, state):
-        raise RuntimeError("Cannot unpickle RemoteModule in python pickler. RemoteModule can "
-                           "only be unpickled when using RPC")
+        raise SerializationError("Cannot unpickle RemoteModule in python pickler. "
+                                 "RemoteModule can only be unpickled when using RPC")
 
     def __repr__(self) -> str:
         return f"RemoteModule(on={self.on!r}, device={self.device!r}, " \

@@ -16,9 +16,9 @@ import threading
 import torch
 
 from .. import _serialization as ser
-from .._rref import RRef
-from ..rpc import api
+from .._agent.runtime import require_agent
 from .._autograd import context as _context
+from .._rref import RRef, remote
 
 
 class _LocalOptimizer:
@@ -122,6 +122,27 @@ def _local_step(opt_rref: RRef, context_id: int) -> None:
     opt_rref.local_value().step(context_id)
 
 
+def _create(optimizer_class, by_owner: dict, args, kwargs) -> list:
+    """One ``_LocalOptimizer`` on each owner, made by ``remote()``.
+
+    Raises:
+        Exception: an owner could not make its optimizer (its error).
+    """
+    rrefs = [remote(owner, _LocalOptimizer, (optimizer_class, params, args, kwargs), None, -1)
+             for owner, params in by_owner.items()]
+    for rref in rrefs:
+        rref._get_future().wait()  # raises the owner's error
+    return rrefs
+
+
+def _start_steps(optimizers: list, context_id: int) -> list:
+    """Ask every remote owner to step; the replies to wait for."""
+    agent = require_agent()
+    return [agent.call(r.owner(), _local_step, (r, context_id), None, agent.rpc_timeout,
+                       None, True)
+            for r in optimizers if not r.is_owner()]
+
+
 class DistributedOptimizer:
     """Update parameters spread over workers with any ``torch.optim`` optimizer.
 
@@ -152,15 +173,9 @@ class DistributedOptimizer:
         by_owner: dict[int, list] = {}
         for r in params:
             by_owner.setdefault(r.owner().id, []).append(r)
-        prev = ser.set_grad_context(None)  # set-up traffic belongs to no context
-        try:
-            self.remote_optimizers = [
-                api.remote(owner, _LocalOptimizer, args=(optimizer_class, rrefs, args, kwargs))
-                for owner, rrefs in by_owner.items()]
-            for rref in self.remote_optimizers:
-                rref._get_future().wait()  # raises the owner's error
-        finally:
-            ser.set_grad_context(prev)
+        # set-up traffic belongs to no autograd context
+        self.remote_optimizers = ser.outside_grad_context(_create, optimizer_class, by_owner,
+                                                          args, kwargs)
         self.optimizer_class = optimizer_class
 
     def __repr__(self) -> str:
@@ -173,19 +188,13 @@ class DistributedOptimizer:
         Steps run on all owners in parallel; returns when all have finished.
 
         Raises:
-            RuntimeError: ``context_id`` is not a context of this worker ("Could not
-                find autograd context with id"); or a step failed (the first error).
+            DistAutogradError: ``context_id`` is not a context of this worker ("Could
+                not find autograd context with id").
+            Exception: a step failed (the first error).
         """
         _context.container().get(context_id)
-        agent = api._require_agent()
-        prev = ser.set_grad_context(None)
-        try:
-            # waited for below, after this worker's own step: replies, not futures
-            futs = [agent.call(r.owner(), _local_step, (r, context_id), None,
-                               agent.rpc_timeout, None, True)
-                    for r in self.remote_optimizers if not r.is_owner()]
-        finally:
-            ser.set_grad_context(prev)
+        # waited for below, after this worker's own step: replies, not futures
+        futs = ser.outside_grad_context(_start_steps, self.remote_optimizers, context_id)
         error = None
         for r in self.remote_optimizers:
             if r.is_owner():  # this worker's own step: here, while the others run

@@ -1,0 +1,60 @@
+"""Invoking: what every call to a remote function goes through before the agent sends it.
+
+The public ``rpc_sync``/``rpc_async`` and RRef proxies share it: the runtime check,
+the destination lookup, the arguments' shape and the timeout, and the collection of
+futures that torch's private ``_wait_all`` block waits for.
+"""
+
+from __future__ import annotations
+
+import threading
+
+from .._base.options import resolve_timeout
+from .._base.worker_info import WorkerInfo
+from .runtime import require_agent
+
+# torch's name (``rpc.api._thread_local_var``): inside ``_wait_all()`` its
+# ``future_list`` collects the futures ``rpc_async`` returns on this thread
+_thread_local_var = threading.local()
+
+
+def check_call(to, func, args, kwargs, timeout):
+    """Validate a call.
+
+    Returns:
+        ``(agent, destination WorkerInfo, args as a tuple or None, kwargs, timeout in s)``.
+
+    Raises:
+        RpcStateError: RPC is not initialized.
+        TypeError: ``func`` is not callable, ``kwargs`` not a dict, a bad timeout type.
+        ValueError: a negative timeout.
+        UnknownWorkerError: ``to`` names no worker of the job.
+    """
+    agent = require_agent()
+    if not callable(func):
+        raise TypeError(f"func must be callable, got {type(func).__name__}")
+    if args is not None and not isinstance(args, tuple):
+        args = tuple(args)
+    if kwargs is not None and not isinstance(kwargs, dict):
+        raise TypeError(f"kwargs must be a dict, got {type(kwargs).__name__}")
+    world = agent.world_size  # None: a dynamic group, whose members change
+    info = to if isinstance(to, WorkerInfo) and world is not None and 0 <= to.id < world else \
+        agent.get_worker_info(to)
+    return agent, info, args, kwargs, resolve_timeout(timeout, agent.rpc_timeout)
+
+
+def invoke_async(to, func, args, kwargs, timeout):
+    """``rpc_async``: send the call, return its future (collected inside ``_wait_all``)."""
+    agent, info, args, kwargs, timeout = check_call(to, func, args, kwargs, timeout)
+    fut = agent.call(info, func, args, kwargs, timeout)
+    # (the thread's own dict: getattr() would raise and catch an AttributeError)
+    collected = _thread_local_var.__dict__.get("future_list")
+    if collected is not None:
+        collected.append(fut)
+    return fut
+
+
+def invoke_sync(to, func, args, kwargs, timeout):
+    """``rpc_sync``: send the call and wait for its result."""
+    agent, info, args, kwargs, timeout = check_call(to, func, args, kwargs, timeout)
+    return agent.call(info, func, args, kwargs, timeout, None, True).wait()

@@ -1,0 +1,300 @@
+"""``RRef``: a reference to a value that lives on one worker, and its proxies."""
+
+from __future__ import annotations
+
+import torch
+
+from .. import _serialization as ser
+from .._agent.future import Future
+from .._agent.invoke import check_call, invoke_async
+from .._agent.runtime import current, require_runtime
+from .._base.errors import RpcTimeoutError, RRefError
+from .._base.options import UNSET_RPC_TIMEOUT, resolve_timeout
+from .handlers import proxy_invoke, rref_fetch, rref_type, type_of
+from .records import Entry, Event, UserState, context, gid
+
+
+class RRef:
+    """A reference to a value that lives on one worker (its owner).
+
+    ``RRef(value)`` makes an owner RRef on this worker; ``rpc.remote`` returns a
+    user RRef whose owner is the callee.  Send RRefs in RPC arguments or return
+    values freely: the value lives while any reference to it exists anywhere.
+
+    Example::
+
+        >>> rref = rpc.remote("worker1", torch.add, args=(torch.ones(2), 1))
+        >>> rref.to_here()
+        tensor([2., 2.])
+        >>> rref.rpc_sync().size()         # runs value.size() on worker1
+        torch.Size([2])
+    """
+
+    def __init__(self, value, type_hint=None) -> None:
+        ctx = context()
+        entry = Entry(ctx.new_id(), type_hint)
+        entry.future.set_result(value)
+        ctx.adopt_local(entry)
+        self._init_owner(ctx, entry, None)
+
+    # Internal constructors ------------------------------------------------------
+
+    def _init_owner(self, ctx, entry: Entry, creation) -> None:
+        self._owner = ctx.rank
+        self._entry = entry
+        self._user = None
+        self._creation = creation
+        self._type = None
+
+    @classmethod
+    def _new_owner(cls, ctx, entry: Entry, creation=None) -> RRef:
+        ctx.adopt_local(entry)  # findable while this object holds it, forks or not
+        r = cls.__new__(cls)
+        r._init_owner(ctx, entry, creation)
+        return r
+
+    @classmethod
+    def _new_user(cls, state: UserState, creation=None, type_=None) -> RRef:
+        r = cls.__new__(cls)
+        r._owner = state.owner
+        r._entry = None
+        r._user = state
+        r._creation = creation
+        r._type = type_
+        return r
+
+    def __class_getitem__(cls, item):
+        """``RRef[T]`` in annotations.  TorchScript only understands torch's own RRef
+        type, so a script function annotated ``RRef[Tensor]`` compiles against that."""
+        try:
+            from torch._jit_internal import RRef as torch_rref
+            return torch_rref[item]
+        except (ImportError, AttributeError, TypeError):
+            return cls
+
+    def __del__(self) -> None:
+        state = getattr(self, "_user", None)
+        rt = current.runtime
+        if state is not None and rt is not None and not state.deleted:
+            rt.rrefs.janitor.put((Event.DELETED, state))
+
+    # torch's API ----------------------------------------------------------------
+
+    def is_owner(self) -> bool:
+        """Whether this worker owns the value."""
+        return self._entry is not None
+
+    def owner(self):
+        """:class:`WorkerInfo` of the owner."""
+        return context().agent.get_worker_info(self._owner)
+
+    def owner_name(self) -> str:
+        """Name of the owner."""
+        return self.owner().name
+
+    def confirmed_by_owner(self) -> bool:
+        """Whether the owner knows of this reference (always True on the owner)."""
+        return self._entry is not None or self._user.confirmed
+
+    def local_value(self):
+        """The value, on the owner (waits until a ``remote()`` creating it finished).
+
+        Raises:
+            RRefError: called on a user RRef.
+            Exception: the function that should have created the value raised (that
+                error).
+        """
+        if self._entry is None:
+            s = self._user
+            ctx = context()
+            # torch's wording, then what to do instead
+            raise RRefError(
+                f"For UserRRef(rref_id={gid(s.rref_id)}, fork_id={gid(s.fork_id)}), can't "
+                f"call localValue() on user {ctx.agent.info!r}. Call it on owner "
+                f"{self.owner()!r}: local_value() works on a non-owner RRef only there; "
+                "use to_here() or a proxy (rref.rpc_sync()) here")
+        return self._entry.value()
+
+    def to_here(self, timeout: float = UNSET_RPC_TIMEOUT):
+        """Copy the value here (blocking).
+
+        Args:
+            timeout: seconds; -1 (default) uses the RPC default timeout, 0 waits forever.
+
+        Raises:
+            RpcTimeoutError: the value did not arrive in time.
+            Exception: the error of the function that should have made the value.
+            WorkerUnavailableError: the owner is gone.
+            RRefError: this user RRef was deleted.
+        """
+        self._check_alive("to_here()")
+        agent = context().agent
+        timeout = resolve_timeout(timeout, agent.rpc_timeout)
+        if self._entry is not None:
+            return self._entry.value(timeout)
+        creation = self._creation
+        if creation is not None and creation.done():
+            self._get_future().wait()  # raises the creation error (remote failure, timeout)
+        # by id, this RRef pinned to the call: the owner needs no RRef object for it
+        value = agent.call(agent.get_worker_info(self._owner), rref_fetch,
+                           (self._user.rref_id,), None, timeout, pin=self, sync=True).wait()
+        if creation is not None:
+            # Only the remote() that made the value sets it, after registering this
+            # fork: the value proves the owner knows of us (its reply may still be on
+            # its way).  The creation callback handles a deletion before it arrives.
+            self._user.confirmed = True
+        return value
+
+    def rpc_sync(self, timeout: float = UNSET_RPC_TIMEOUT):
+        """Proxy: ``rref.rpc_sync().method(*args)`` runs ``method`` on the owner, blocking."""
+        return _Proxy(self, "sync", timeout)
+
+    def rpc_async(self, timeout: float = UNSET_RPC_TIMEOUT):
+        """Proxy: ``rref.rpc_async().method(*args)`` returns a future of the result."""
+        return _Proxy(self, "async", timeout)
+
+    def remote(self, timeout: float = UNSET_RPC_TIMEOUT):
+        """Proxy: ``rref.remote().method(*args)`` returns an RRef to the result (on the owner)."""
+        return _Proxy(self, "remote", timeout)
+
+    def backward(self, dist_autograd_ctx_id: int = -1, retain_graph: bool = False) -> None:
+        """Run the backward pass from the value (a scalar tensor), on its owner.
+
+        Args:
+            dist_autograd_ctx_id: a distributed autograd context id: a distributed
+                backward pass in that context, from the owner (read the gradients
+                with ``torchwire.autograd.get_gradients``).  -1 (default): a local
+                ``value.backward()``, allowed on the owner only.
+            retain_graph: keep the graph for another backward.
+
+        Raises:
+            DistAutogradError: -1 on a user RRef ("User RRefs require
+                'dist_autograd_ctx_id' to be specified"); the value is not a tensor
+                ("RRef should contain a tensor for .backward()"); the context does
+                not exist on the owner, or the backward pass failed.
+        """
+        require_runtime(lookup=True).autograd.rref_backward(self, dist_autograd_ctx_id,
+                                                            retain_graph)
+
+    def _get_future(self):
+        """The future of the ``remote()`` that created this RRef (done for other RRefs)."""
+        fut = self._creation
+        if fut is None:
+            return _done(None)
+        if not isinstance(fut, _Creation):
+            fut = self._creation = _Creation(fut)
+        return fut
+
+    def _get_type(self, timeout: float = UNSET_RPC_TIMEOUT, blocking: bool = True):
+        """Type of the value, fetched from the owner once and cached.
+
+        With ``blocking=False`` returns a future of it.
+        """
+        if self._type is not None:
+            return self._type if blocking else _done(self._type)
+        if self._entry is not None:
+            fut = type_of(self._entry.future)
+        else:
+            agent = context().agent
+            fut = agent.call(agent.get_worker_info(self._owner), rref_type,
+                             (self._user.rref_id,), None,
+                             resolve_timeout(timeout, agent.rpc_timeout), pin=self)
+
+        def keep(f):
+            try:
+                self._type = f.value()
+            except Exception:
+                pass
+        fut.add_done_callback(keep)
+        return fut.wait() if blocking else fut
+
+    def _check_alive(self, what: str) -> None:
+        state = self._user
+        if state is not None and state.deleted:
+            raise RRefError(f"User RRef with RRefId={gid(state.rref_id)} and "
+                            f"ForkId={gid(state.fork_id)} has been deleted. "
+                            f"Cannot call {what} on it after deletion.")
+
+    def __reduce__(self):
+        # torch's wording; the RPC pickler handles RRefs before this is reached
+        raise RRefError("Can not pickle rref in python pickler, rref can only be pickled "
+                        "when using RPC")
+
+    def __repr__(self) -> str:
+        if self._entry is not None:
+            return f"OwnerRRef({gid(self._entry.rref_id)})"
+        s = self._user
+        return f"UserRRef(RRefId = {gid(s.rref_id)}, ForkId = {gid(s.fork_id)})"
+
+    __str__ = __repr__
+
+
+def remote(to, func, args, kwargs, timeout):
+    """``rpc.remote``: run ``func`` on ``to`` and keep the result there; a user RRef."""
+    _agent, info, args, kwargs, timeout = check_call(to, func, args, kwargs, timeout)
+    return context().remote(info, func, args, kwargs, timeout)
+
+
+def _check_method(cls: type, name: str) -> None:
+    if issubclass(cls, (torch.jit.ScriptModule, torch._C.ScriptModule)):
+        return  # script modules resolve methods on the instance
+    getattr(cls, name)  # AttributeError: "type object 'X' has no attribute 'name'"
+
+
+def _done(value) -> Future:
+    fut = Future()
+    fut.set_result(value)
+    return fut
+
+
+class _Proxy:
+    """``rref.rpc_sync()`` and friends: attribute access names a method of the value."""
+
+    __slots__ = ("_rref", "_mode", "_timeout")
+
+    def __init__(self, rref: RRef, mode: str, timeout) -> None:
+        self._rref = rref
+        self._mode = mode
+        self._timeout = timeout
+
+    def __getattr__(self, name: str):
+        rref, mode, timeout = self._rref, self._mode, self._timeout
+
+        def method(*args, **kwargs):
+            if mode != "async" or rref._type is not None:
+                # As torch: the value's type (fetched once per RRef) must have the
+                # method; a typo fails here, before anything runs remotely.
+                _check_method(rref._get_type(timeout), name)
+            call_args = (rref, name, args, kwargs)
+            if mode == "remote":
+                return remote(rref._owner, proxy_invoke, call_args, None, timeout)
+            fut = invoke_async(rref._owner, proxy_invoke, call_args, None, timeout)
+            return fut.wait() if mode == "sync" else fut
+        method.__name__ = name
+        return method
+
+    def __repr__(self) -> str:
+        return f"<RRef {self._mode} proxy of {self._rref}>"
+
+
+class _Creation(Future):
+    """Future of a ``remote()`` creation: None, or the error that prevented it."""
+
+    def __init__(self, call_fut) -> None:
+        super().__init__()
+        call_fut._add_inline_callback(self._done)
+
+    def _done(self, f) -> None:
+        try:
+            status = f.value()
+        except Exception as exc:
+            if isinstance(exc, RpcTimeoutError):
+                exc = RpcTimeoutError(f"RRef creation via rpc.remote() timed out, and it is "
+                                      f"possible that the RRef on the owner has not been "
+                                      f"created: {exc}")
+            self.set_exception(exc)
+            return
+        if status is None:
+            self.set_result(None)
+        else:
+            self.set_exception(ser.loads_exception(status))
