@@ -24,7 +24,7 @@ import torch
 import torchwire.rpc as rpc
 from _cluster import new_init_method, options, run_world
 from torchwire import _serialization as ser
-from torchwire import AuthenticationError, ProtocolError
+from torchwire import AuthenticationError, ConnectError, ConnectionBrokenError, ProtocolError
 from torchwire._wire import frame as F
 from torchwire._wire.auth import CHALLENGE, HELLO, JobAuth, client_handshake, server_handshake
 from torchwire._wire.listener import Listener
@@ -157,8 +157,9 @@ def test_client_detects_an_impostor_server():
 def test_a_silent_peer_is_dropped_after_the_handshake_timeout():
     a, b = socket.socketpair()
     t0 = time.monotonic()
-    with pytest.raises(socket.timeout):
+    with pytest.raises(ConnectError, match="timed out after 0.5s") as info:
         server_handshake(a, 0, _auth(b"s", timeout=0.5), 2, "unix")
+    assert isinstance(info.value.__cause__, socket.timeout) and not info.value.refused
     assert time.monotonic() - t0 < 2.0
     a.close()
     b.close()
@@ -181,7 +182,7 @@ def test_a_trickling_peer_is_dropped_at_one_deadline_not_one_per_read():
     t = threading.Thread(target=trickle)
     t.start()
     t0 = time.monotonic()
-    with pytest.raises(socket.timeout):
+    with pytest.raises(ConnectError, match="timed out"):
         server_handshake(a, 0, _auth(b"s", timeout=0.8), 2, "unix")
     elapsed = time.monotonic() - t0
     stop.set()
@@ -191,10 +192,39 @@ def test_a_trickling_peer_is_dropped_at_one_deadline_not_one_per_read():
     assert elapsed < 2.0
 
 
+def test_a_peer_that_hangs_up_midway_breaks_the_handshake_on_either_side():
+    # The server's side: a liveness probe dials and hangs up at once.
+    a, b = socket.socketpair()
+    b.close()
+    with pytest.raises(ConnectionBrokenError, match="during the handshake") as info:
+        server_handshake(a, 0, _auth(b"s"), 2, "unix")
+    assert not isinstance(info.value, ConnectError) and info.value.__cause__ is not None
+    a.close()
+    # The client's side: the server closes before its challenge.
+    a, b = socket.socketpair()
+    a.close()
+    with pytest.raises(ConnectionBrokenError, match="during the handshake"):
+        client_handshake(b, 1, _auth(b"s"), 0, transport="unix")
+    b.close()
+
+
+def test_dialling_nobody_is_a_refused_connect_error():
+    from torchwire._wire.listener import connect_tcp, connect_unix
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # bound, not listening: refused
+        with pytest.raises(ConnectError) as info:
+            connect_tcp(("127.0.0.1", port), 2.0)
+    assert info.value.refused and isinstance(info.value.__cause__, ConnectionRefusedError)
+    with pytest.raises(ConnectError) as info:
+        connect_unix("\0torchwire-test-nobody-listens-here", 2.0)
+    assert info.value.refused
+
+
 def test_a_payload_frame_instead_of_hello_is_refused_unread(tmp_path):
     target = tmp_path / "pwned"
     # A HELLO with an absurd length is refused from its header: nothing allocated or read.
-    huge = F.HEADER.pack(F.MAGIC, F.VERSION, F.K_HELLO, 0, 0, 1 << 40, 0, 0)
+    huge = F.pack_header(F.K_HELLO, 0, 0, 1 << 40, 0)
     for data, why in ((_evil_frame(str(target)), "expected a HELLO frame"),
                       (huge, "exceeds max message size")):
         a, b = socket.socketpair()

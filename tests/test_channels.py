@@ -1,9 +1,12 @@
-"""Every channel passes the same transfer tests: shared memory, CMA, socket stream.
+"""Every channel passes the same transfer tests: shared memory, CMA, socket stream, lanes.
 
 Shared memory (the default between same-host workers) moves large buffers in
 memfd segments whose descriptors cross the Unix socket; CMA (cross-memory
 attach) with one ``process_vm_readv``; ``_channels=["socket"]`` forces everything
-through the socket.  tests/test_shm.py covers what is particular to shared memory.
+through the socket; over TCP, lanes split large buffers over two connections.  The
+same channels are driven between two workers (a job per test) and, at the end, through
+the interface alone: two Connections on a socket pair, each built with one channel.
+tests/test_shm.py covers what is particular to shared memory.
 """
 
 from __future__ import annotations
@@ -15,10 +18,19 @@ import torch
 
 import torchwire.rpc as rpc
 from _cluster import run_world
-from torchwire._wire import cma, shm
+from torchwire._wire import frame as F
 from torchwire._wire.buffers import pool_stats
+from torchwire._wire.channels import REGISTRY, cma
+from torchwire._wire.channels import segments as shm
 
-CHANNELS = {"shm": None, "cma": ["cma"], "socket": ["socket"]}
+# channel -> the options that make large buffers take it (shm is the default same-host one)
+CHANNELS = {"shm": {}, "cma": {"_channels": ["cma"]}, "socket": {"_channels": ["socket"]},
+            "lanes": {"_transports": ["tcp"]}}
+
+
+def test_the_suite_covers_every_channel():
+    assert set(CHANNELS) == {cls.name for cls in REGISTRY.values()} | {"socket"}
+    assert {cls.bit for cls in REGISTRY.values()} == {F.REMOTE_BIT, F.SHM_BIT, F.LANE_BIT}
 
 
 def echo(x):
@@ -26,17 +38,18 @@ def echo(x):
 
 
 def held_buffers():
-    """How many frames' tensors this worker still keeps for peers to read."""
+    """How many frames' tensors (or segment leases) this worker still keeps for its
+    peers to read: what every channel lends until the peer's RELEASE."""
     agent = rpc.api._get_current_rpc_agent()
     conns = list(agent._incoming) + [p.out for p in agent._peers.values() if p.out is not None]
-    return (sum(len(getattr(c, "_cma_hold", {})) for c in conns)
-            + shm.stats()["leased"])
+    return sum(c.channels.holding(c) for c in conns) + shm.stats()["leased"]
 
 
 def out_connection_channel(to):
+    """The channel large buffers take on the connection to ``to``."""
     agent = rpc.api._get_current_rpc_agent()
     conn = agent._peers[agent.get_worker_info(to).id].out
-    return "shm" if conn.shm_send else "cma" if conn.cma_pid is not None else "socket"
+    return conn.channels.send_names()[0]
 
 
 def _payloads():
@@ -86,7 +99,7 @@ def test_large_transfers_both_directions(channel):
         results["channel"] = used
         return results
 
-    for res in run_world(body, 2, _channels=CHANNELS[channel]):
+    for res in run_world(body, 2, **CHANNELS[channel]):
         assert res.pop("channel") == channel
         assert res.pop("held_after") == 0
         assert all(res.values()), res
@@ -136,7 +149,7 @@ def test_transport_choice_and_large_transfer(transports, expected):
         got = rpc.rpc_sync(other, echo, args=(value,))
         agent = rpc.api._get_current_rpc_agent()
         conn = agent._peers[1 - rank].out
-        return (conn.transport, conn.cma_pid is not None, conn.shm_send,
+        return (conn.transport, conn.channels.sends("cma"), conn.channels.sends("shm"),
                 _equal(value, got))
 
     for transport, uses_cma, uses_shm, equal in run_world(body, 2, _transports=transports):
@@ -189,3 +202,110 @@ def test_a_draining_worker_replies_over_a_lane():
     equal, theirs = run_world(body, 2, _transports=["tcp"])[0]
     assert equal
     assert theirs == 1  # worker1 opened a lane for its reply
+
+
+# ---------------------------------------------------------------- the interface itself
+
+
+class _Sink:
+    def __init__(self) -> None:
+        self.frames: list = []
+        self.closed_with: list = []
+
+    def on_frames(self, conn, frames, at_rest=False) -> bool:
+        self.frames.extend(frames)
+        return False
+
+    def on_close(self, conn, exc) -> None:
+        self.closed_with.append(exc)
+
+
+def _pair(channels_a, channels_b, sink_a, sink_b):
+    """Two started Connections on a Unix socket pair: ``a`` (rank 0's end, its peer
+    rank 1) and ``b`` (rank 1's end)."""
+    import socket
+
+    from torchwire._wire.connection import Connection
+    sa, sb = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    a = Connection(sa, 1, sink_a.on_frames, sink_a.on_close, channels=channels_a,
+                   initiated=True, transport="unix")
+    b = Connection(sb, 0, sink_b.on_frames, sink_b.on_close, channels=channels_b,
+                   initiated=False, transport="unix")
+    a.start()
+    b.start()
+    return a, b
+
+
+def _channel_sets(channel, lane_conns):
+    """The two ends' ChannelSets of a link whose large buffers take ``channel``."""
+    import os
+
+    from torchwire._wire.channels.lanes import LaneRegistry
+    from torchwire._wire.channels.link import ChannelSet
+    if channel == "lanes":
+        registry = LaneRegistry()  # one process: both ends share it, keyed by peer rank
+
+        def open_lane():
+            a, b = _pair(ChannelSet(lanes=registry), ChannelSet(lanes=registry),
+                         _Sink(), _Sink())
+            lane_conns.extend([a, b])
+            return a
+
+        return ChannelSet(lanes=registry, open_lane=open_lane), ChannelSet(lanes=registry)
+    if channel == "cma":  # this process reads its own memory
+        return ChannelSet(cma_pid=os.getpid()), ChannelSet(cma_pid=os.getpid())
+    if channel == "shm":
+        return (ChannelSet(shm_send=True, shm_recv=True),
+                ChannelSet(shm_send=True, shm_recv=True))
+    return ChannelSet(), ChannelSet()
+
+
+def _raw(buf) -> bytes:
+    return bytes(buf) if isinstance(buf, bytearray) else buf.numpy().tobytes()
+
+
+def _one_frame_through(channel):
+    """A link built with only ``channel`` carries a frame of a small and two large
+    buffers; then the sender holds nothing lent, and GOODBYEs close both ends in order."""
+    from _cluster import wait_until
+    sender, receiver, lane_conns = _Sink(), _Sink(), []
+    a, b = _pair(*_channel_sets(channel, lane_conns), sender, receiver)
+    big = 9 << 20 if channel == "lanes" else 1 << 20  # from the channel's min_size
+    torch.manual_seed(0)
+    tensors = [torch.arange(10, dtype=torch.int16), torch.randn(big // 4),
+               torch.randint(0, 255, (big + 3,), dtype=torch.uint8)]
+    a.send_frame(F.K_REQUEST, 0, 7, b"payload", tensors)
+    assert wait_until(lambda: receiver.frames, 10)
+    (kind, _flags, rid, payload, got), = receiver.frames
+    same = [_raw(g) == t.view(torch.uint8).numpy().tobytes() for g, t in zip(got, tensors)]
+    receiver.frames.clear()
+    del got  # (shm: the mapping dies, its RELEASE goes back)
+    released = wait_until(lambda: a.channels.holding(a) == 0, 10)
+    a.send_goodbye()
+    b.send_goodbye()
+    assert wait_until(lambda: a.goodbye_received and b.goodbye_received, 10)
+    a.close()
+    b.close()
+    assert wait_until(lambda: sender.closed_with and receiver.closed_with, 10)
+    for c in lane_conns:
+        c.close()
+    return ((kind, rid, bytes(payload)), same, a.channels.send_names()[0], released,
+            sender.closed_with + receiver.closed_with)
+
+
+@pytest.mark.parametrize("channel", list(CHANNELS))
+def test_every_channel_carries_a_frame_between_two_connections(channel):
+    if channel == "cma" and not cma.available():
+        pytest.skip("process_vm_readv is not available on this platform")
+    if channel == "shm" and not shm.available():
+        pytest.skip("memfd and descriptor passing are not available on this platform")
+
+    def body(rank, world_size, init_method):  # in a child: it maps segments, starts threads
+        return _one_frame_through(channel)
+
+    frame, same, used, released, closed = run_world(body, 1, init=False)[0]
+    assert frame == (F.K_REQUEST, 7, b"payload")
+    assert same == [True, True, True]
+    assert used == channel
+    assert released, "the sender still holds what it lent"
+    assert closed == [None, None]  # GOODBYE both ways: closed in order

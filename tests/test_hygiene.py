@@ -12,7 +12,7 @@ import torch
 
 import torchwire.rpc as rpc
 from _cluster import run_world
-from torchwire._wire import shm
+from torchwire._wire.channels import segments as shm
 
 CHANNELS = {"shm": None, "cma": ["cma"], "socket": ["socket"]}
 

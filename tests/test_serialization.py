@@ -30,6 +30,7 @@ from _cluster import run_world
 from torchwire import _serialization as ser
 from torchwire._serialization import byte_view, dumps, loads, tensor_nbytes
 from torchwire._wire import frame as F
+from torchwire._wire.channels.link import ChannelSet
 from torchwire._wire.connection import Connection
 
 # torch warns once per process, on the first sparse tensor built without an explicit
@@ -595,7 +596,7 @@ def test_header_round_trip(kind, lens):
 def test_header_layout_is_little_endian_and_fixed():
     data = F.encode_header(F.K_REQUEST, 0, 0x0102030405060708, 0x11, [0x22])
     assert F.HEADER_SIZE == 32
-    assert data[:4] == b"TW\x05\x03"  # magic, version 5, kind REQUEST
+    assert data[:4] == b"TW\x06\x03"  # magic, version 6, kind REQUEST
     assert struct.unpack_from("<I", data, 4)[0] == 0  # flags
     assert struct.unpack_from("<Q", data, 8)[0] == 0x0102030405060708
     assert struct.unpack_from("<Q", data, 16)[0] == 0x11  # payload length
@@ -614,7 +615,7 @@ def test_wrong_magic_is_protocol_error():
         F.decode_header(b"GET / HTTP/1.1\r\nHost: example\r\n\r\n")
 
 
-@pytest.mark.parametrize("version", [0, 1, 2, 3, 4, 6, 255])
+@pytest.mark.parametrize("version", [0, 1, 2, 3, 4, 5, 7, 255])
 def test_wrong_version_is_protocol_error(version):
     data = bytearray(F.encode_header(F.K_REQUEST, 0, 1, 0, []))
     data[2] = version
@@ -647,10 +648,10 @@ def test_buffers_over_max_message_size_is_protocol_error():
 
 
 def test_too_many_buffers_is_protocol_error():
-    data = F.HEADER.pack(F.MAGIC, F.VERSION, F.K_REQUEST, 0, 1, 0, F.MAX_BUFFERS + 1, 0)
+    data = F.pack_header(F.K_REQUEST, 0, 1, 0, F.MAX_BUFFERS + 1)
     with pytest.raises(torchwire.ProtocolError, match="buffers"):
         F.decode_header(data)
-    ok = F.HEADER.pack(F.MAGIC, F.VERSION, F.K_REQUEST, 0, 1, 0, F.MAX_BUFFERS, 0)
+    ok = F.pack_header(F.K_REQUEST, 0, 1, 0, F.MAX_BUFFERS)
     assert F.decode_header(ok)[4] == F.MAX_BUFFERS
 
 
@@ -665,8 +666,9 @@ class _Sink:
         self.closed = threading.Event()
         self.close_exc = None
 
-    def on_frames(self, conn, frames, inline_ok=False) -> None:
+    def on_frames(self, conn, frames, at_rest=False) -> bool:
         self.frames.extend(frames)
+        return False
 
     def on_close(self, conn, exc) -> None:
         self.close_exc = exc
@@ -734,7 +736,7 @@ def test_a_reader_sends_cma_releases_itself_and_never_blocks_on_a_full_socket():
 
     # This process plays the peer: the reader reads the buffers from our own memory.
     conn = Connection(a, 1, sink.on_frames, sink.on_close, initiated=False, transport="unix",
-                      cma_pid=os.getpid(), defer=defer)
+                      channels=ChannelSet(cma_pid=os.getpid()), defer=defer)
     conn.start()
     src = torch.arange(100_000, dtype=torch.int32)
     try:

@@ -1,4 +1,5 @@
-"""What is particular to the shared-memory channel (torchwire/_wire/shm.py).
+"""What is particular to the shared-memory channel (torchwire/_wire/channels/shm.py and
+segments.py).
 
 tests/test_channels.py runs the same transfers through every channel; this file
 covers shared memory alone: every dtype and size through it, views, the
@@ -8,8 +9,8 @@ channel is (not) used, what 10 000 transfers leave behind, and what a receiver
 does with a malformed descriptor.
 
 Most tests set ``_channel_threshold=4096`` so that small tensors (cheap to make
-and compare) take the channel; the default threshold (``connection.SHM_MIN``) is used for the big
-ones.  Every job is fresh (``run_world``), so counters start at zero.
+and compare) take the channel; the default threshold (``shm_channel.MIN_SIZE``) is used
+for the big ones.  Every job is fresh (``run_world``), so counters start at zero.
 """
 
 from __future__ import annotations
@@ -30,8 +31,12 @@ import torch
 import torchwire.rpc as rpc
 from _cluster import run_world, wait_until
 from torchwire import ProtocolError
-from torchwire._wire import connection, shm
 from torchwire._wire import frame as F
+from torchwire._wire.channels import MAX_FDS
+from torchwire._wire.channels import segments as shm
+from torchwire._wire.channels import shm as shm_channel
+from torchwire._wire.channels.link import ChannelSet
+from torchwire._wire.connection import Connection
 
 pytestmark = pytest.mark.skipif(not shm.available(),
                                 reason="memfd and descriptor passing are not available")
@@ -273,7 +278,7 @@ def test_big_tensors_at_the_default_threshold():
     def body(rank, world_size):
         if rank:
             return None
-        mib = connection.SHM_MIN
+        mib = shm_channel.MIN_SIZE
         specs = [(torch.uint8, mib - 1, 1), (torch.uint8, mib, 2), (torch.uint8, mib + 1, 3),
                  (torch.int16, (3 * mib + 6) // 2, 4), (torch.float32, 16 * mib, 5)]
         tensors = [make(*s) for s in specs]
@@ -284,7 +289,7 @@ def test_big_tensors_at_the_default_threshold():
         return intact, grew(mine0, shm.stats()), [t.nbytes for t in tensors]
 
     intact, mine, sizes = run_world(body, 2)[0]
-    mib = connection.SHM_MIN
+    mib = shm_channel.MIN_SIZE
     assert sizes == [mib - 1, mib, mib + 1, 3 * mib + 6, 64 * mib]
     assert intact == [True] * 5
     # Just under the threshold goes by CMA; the four others through shared memory.
@@ -358,7 +363,7 @@ def test_views_of_a_received_tensor_return_by_reference():
 
 
 def test_more_buffers_than_descriptors_per_frame():
-    n = connection._MAX_FDS + 50
+    n = MAX_FDS + 50
 
     def body(rank, world_size):
         if rank:
@@ -375,8 +380,8 @@ def test_more_buffers_than_descriptors_per_frame():
     intact, theirs = run_world(body, 2, _channel_threshold=SMALL)[0]
     assert intact == n
     # One frame carries at most _MAX_FDS descriptors; the other buffers go inline.
-    assert theirs["received"] == connection._MAX_FDS, theirs
-    assert theirs["copies"] == connection._MAX_FDS, theirs
+    assert theirs["received"] == MAX_FDS, theirs
+    assert theirs["copies"] == MAX_FDS, theirs
 
 
 def test_concurrent_transfers_in_both_directions():
@@ -728,7 +733,8 @@ def test_which_connections_use_shared_memory(opts, uses_shm):
         ok = same(rpc.rpc_sync(peer, echo, args=(x,)), x)
         rpc.api._barrier(["worker0", "worker1"])
         conns = connections()
-        return (ok, [c.shm_send for c in conns], [c.shm_recv for c in conns],
+        return (ok, [c.channels.sends("shm") for c in conns],
+                [c.channels.receives("shm") for c in conns],
                 [c.transport for c in conns], shm.stats())
 
     for ok, send, recv, transports, stats in run_world(body, 2, **opts):
@@ -929,15 +935,16 @@ def test_a_connection_reading_a_malformed_shm_buffer_closes(case):
         got, closed = [], threading.Event()
         result = {}
 
-        def on_frames(conn, frames, inline_ok):
+        def on_frames(conn, frames, at_rest):
             got.extend(frames)
+            return False
 
         def on_close(conn, exc):
             result["exc"] = exc
             closed.set()
 
-        conn = connection.Connection(ours, 0, on_frames, on_close, initiated=False,
-                                     transport="unix", shm_recv=case != "channel off")
+        conn = Connection(ours, 0, on_frames, on_close, initiated=False, transport="unix",
+                          channels=ChannelSet(shm_recv=case != "channel off"))
         conn.start()
         fd = _memfd(2 * 4096, sealed=case != "unsealed")
         os.pwrite(fd, bytes(range(256)) * 32, 0)

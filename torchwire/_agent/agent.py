@@ -59,18 +59,21 @@ import torch
 
 from .._base import devices as _devices, intraop as _intraop, threads as _threads
 from .. import _serialization as ser
-from .._base.errors import (ConnectionClosedError, ProtocolError, RpcStateError, RpcTimeoutError,
-                      SerializationError, WorkerUnavailableError)
+from .._base.errors import (ConnectError, LinkError, ProtocolError, RpcStateError,
+                             RpcTimeoutError, SerializationError, WorkerUnavailableError)
 from .future import Deferred, Future, SyncReply
+from .inline import InlineScheduler
 from .liveness import PeerHealth
 from .plugins import AgentPlugin
 from .state import AgentState
 from .pool import WorkerPool
 from .timer import DeadlineTimer
-from .._wire import cma, shm
+from .._wire.channels import segments
+from .._wire.channels.lanes import LaneRegistry
+from .._wire.channels.link import ChannelSet
 from .._wire import frame as F
 from .._wire.auth import JobAuth, client_handshake, server_handshake
-from .._wire.connection import Connection, LaneRegistry
+from .._wire.connection import Connection
 from .._wire.listener import (Listener, connect_tcp, connect_unix, host_identity,
                               listener_alive)
 from .._base.worker_info import WorkerInfo
@@ -177,15 +180,16 @@ class RpcAgent:
         self._plugins: list = []
         self._conn_lock = threading.Lock()
         self._pool = WorkerPool(options.num_worker_threads, name=f"torchwire-{name}")
+        self._inline = InlineScheduler(self._pool.submit, self._spawn_reader)
         self._timer = DeadlineTimer(self._expire)
         self._health = PeerHealth(
             self, getattr(options, "heartbeat_interval", DEFAULT_HEARTBEAT_INTERVAL),
             getattr(options, "heartbeat_timeout", DEFAULT_HEARTBEAT_TIMEOUT))
         self._desc = repr(self.info)
         self._use_cma = channel_allowed(options, "cma")
-        self._use_shm = channel_allowed(options, "shm") and shm.available()
+        self._use_shm = channel_allowed(options, "shm") and segments.available()
         if self._use_shm:
-            shm.prepare()
+            segments.prepare()
         self._lanes = LaneRegistry()
         self._lanes_out: list[Connection] = []
         self._use_lanes = bool(getattr(options, "_tcp_lanes", True))
@@ -218,9 +222,9 @@ class RpcAgent:
             "bytes_out": sum(c.bytes_out for c in conns),
             "bytes_in": sum(c.bytes_in for c in conns),
             "transports": sorted({c.transport for c in conns}),
-            "channels": sorted({"shm" if c.shm_send else "cma" if c.cma_pid is not None
-                                else "socket" for c in conns}),
-            "shm": shm.stats(),
+            "channels": sorted({"shm" if c.channels.sends("shm") else "cma"
+                                if c.channels.sends("cma") else "socket" for c in conns}),
+            "shm": segments.stats(),
         }
 
     # ------------------------------------------------------------------ start
@@ -448,7 +452,7 @@ class RpcAgent:
                               sent if pin is None else (sent, pin))
         try:
             conn.send_frame(F.K_REQUEST, flags, rid, payload, tensors)
-        except ConnectionClosedError as exc:
+        except LinkError as exc:
             if sent is not None:
                 sent.abort()
             self._fail(rid, self._unavailable(peer, f"connection lost: {exc}"))
@@ -464,8 +468,8 @@ class RpcAgent:
         For internal control messages whose loss can only mean the peer is gone.
 
         Raises:
-            RpcStateError, WorkerUnavailableError, ConnectionClosedError,
-            SerializationError: it could not be sent.
+            RpcStateError, WorkerUnavailableError, LinkError, SerializationError: it
+            could not be sent.
         """
         if self.state is AgentState.CLOSED:
             raise RpcStateError("RPC agent is shut down")
@@ -488,7 +492,7 @@ class RpcAgent:
         messages), for the distributed backward pass's frequent small messages.
 
         Raises:
-            RpcStateError, WorkerUnavailableError, ConnectionClosedError: not sent.
+            RpcStateError, WorkerUnavailableError, LinkError: not sent.
         """
         if self.state is AgentState.CLOSED:
             raise RpcStateError("RPC agent is shut down")
@@ -582,25 +586,29 @@ class RpcAgent:
             except BaseException:
                 sock.close()
                 raise
-        except (OSError, EOFError, ConnectionClosedError) as exc:
+        except LinkError as exc:
             raise self._unavailable(peer.info.id, f"cannot connect: {exc}") from exc
-        except Exception as exc:
+        except Exception as exc:  # AuthenticationError, ProtocolError
             raise self._unavailable(peer.info.id, f"handshake failed: {exc}") from exc
         conn = Connection(sock, peer.info.id, self._on_frames, self._on_close,
-                          max_message_size=self.max_message_size, initiated=True,
-                          transport=transport, cma_pid=self._cma_pid(peer.record, transport),
-                          defer=self._pool.submit, spawn=self._spawn_reader,
-                          **self._shm_args(peer.record, transport),
-                          **self._lane_args(peer.info.id, transport, lane))
+                          channels=self._channels(peer, transport, lane),
+                          defer=self._pool.submit, max_message_size=self.max_message_size,
+                          initiated=True, transport=transport)
         conn.start()
         return conn
 
-    def _lane_args(self, rank: int, transport: str, lane: bool = False) -> dict:
-        """Every connection receives split buffers; a TCP connection (not a lane
-        itself) splits its large buffers over a lane it opens on first need."""
-        if transport != "tcp" or lane or not self._use_lanes:
-            return {"lanes": self._lanes}
-        return {"lanes": self._lanes, "lane_factory": lambda: self._open_lane(rank)}
+    def _channels(self, peer: _Peer, transport: str, lane: bool = False) -> ChannelSet:
+        """How large buffers travel on a new connection with ``peer`` (see
+        ``_wire/channels/link.py``): shared memory and CMA to a same-host peer on a
+        Unix socket, as the options and the peer allow; on TCP, every connection
+        receives split buffers, and one that is not a lane itself splits its own over
+        a lane it opens on first need."""
+        rank = peer.info.id
+        return ChannelSet.for_link(
+            transport, same_host=peer.record.get("host") == self._host, peer=peer.record,
+            cma=self._use_cma, shm=self._use_shm, lanes=self._lanes,
+            open_lane=None if lane or not self._use_lanes else lambda: self._open_lane(rank),
+            threshold=self._channel_min)
 
     def _open_lane(self, rank: int) -> Connection:
         """A second TCP connection to ``rank`` for the second half of large buffers."""
@@ -622,22 +630,6 @@ class RpcAgent:
             with self._pool.blocking():
                 read_loop()
         self._pool.submit(run)
-
-    def _cma_pid(self, record: dict, transport: str) -> int | None:
-        """The peer's pid if large buffers may go by cross-memory attach, else None."""
-        if transport != "unix" or not self._use_cma or record.get("host") != self._host:
-            return None
-        info = record.get("cma")
-        return info["pid"] if cma.can_read(info) else None
-
-    def _shm_args(self, record: dict, transport: str) -> dict:
-        """Shared-memory channel of a connection: we read descriptors on every Unix
-        socket when we offer it, and send through it when the peer offers it too."""
-        local = transport == "unix" and self._use_shm and record.get("host") == self._host
-        if self._channel_min is None:
-            return {"shm_recv": local, "shm_send": local and bool(record.get("shm"))}
-        return {"shm_recv": local, "shm_send": local and bool(record.get("shm")),
-                "channel_min": self._channel_min, "shm_min": self._channel_min}
 
     def _unavailable(self, rank: int, why: str) -> WorkerUnavailableError:
         name = self._name_of(rank)
@@ -672,13 +664,16 @@ class RpcAgent:
 
     # ------------------------------------------------------------------ incoming frames
 
-    def _on_frames(self, conn, frames, inline_ok: bool = False):
+    def _on_frames(self, conn, frames, at_rest: bool = False) -> bool:
         """Reader thread: dispatch a batch of decoded frames.
 
-        Returns the requests as ``(function, args)`` when the batch ends the buffer and
-        holds a few (``_INLINE_MAX``): the reader runs them itself, in order (see
-        ``Connection._read_loop``; a ``remote()`` followed by ``to_here()``
-        typically arrives as two).
+        When the batch ends what the reader has read (``at_rest``) and holds a few
+        requests (``_INLINE_MAX``; a ``remote()`` followed by ``to_here()`` typically
+        arrives as two), the reader runs them itself, in order (``inline.py``).
+
+        Returns:
+            True if the reading was handed to another thread meanwhile: the reader
+            must stop.
         """
         work = []
         for kind, flags, rid, payload, tensors in frames:
@@ -695,10 +690,14 @@ class RpcAgent:
             with self._stats_lock:
                 self._received += len(work)
                 self._recv_from[conn.peer_rank] += len(work)
-            if inline_ok and len(work) <= _INLINE_MAX:
-                return work  # [(function, args)]
+            if at_rest and len(work) <= _INLINE_MAX:
+                # The requests own their payloads and tensors now: nothing else may keep
+                # a received tensor (its buffer, its mapping) alive while they run.
+                frames.clear()
+                del payload, tensors
+                return self._inline.run(conn, work)
             self._pool.submit_many(work)
-        return None
+        return False
 
     def _complete(self, rid: int, flags: int, payload, tensors) -> None:
         entry = self._pending.get(rid)
@@ -816,8 +815,7 @@ class RpcAgent:
         if len(payload) > _NOWAIT_MAX:
             return False
         self._count_reply(1)
-        if not send(F.HEADER.pack(F.MAGIC, F.VERSION, F.K_RESPONSE, 0, rid, len(payload), 0,
-                                  0) + payload):
+        if not send(F.pack_header(F.K_RESPONSE, 0, rid, len(payload), 0) + payload):
             self._count_reply(-1)
             return False
         with self._stats_lock:
@@ -842,7 +840,7 @@ class RpcAgent:
         self._count_reply(1)  # before the write: the caller may go on before it returns
         try:
             conn.send_frame(F.K_RESPONSE, flags, rid, payload, tensors)
-        except ConnectionClosedError:
+        except LinkError:
             self._count_reply(-1)
             if sent is not None:
                 sent.abort()
@@ -858,7 +856,7 @@ class RpcAgent:
         self._count_reply(1)
         try:
             conn.send_frame(F.K_RESPONSE, F.F_ERROR, rid, payload)
-        except ConnectionClosedError:
+        except LinkError:
             self._count_reply(-1)
             log.debug("torchwire: error reply %d dropped: connection closed", rid)
 
@@ -875,9 +873,12 @@ class RpcAgent:
             peer = self._peers.get(rank)
             if self.membership is not None:
                 peer = self.membership.admit(rank, peer)
-        except EOFError:
-            sock.close()  # a liveness probe, or a peer that gave up: nothing to report
-            return
+        except LinkError as exc:
+            sock.close()
+            if isinstance(exc, ConnectError):  # silent or slow until the deadline: refused
+                log.warning("torchwire: %s refused a %s connection: %s", self.name, transport,
+                            exc)
+            return  # else it left: a liveness probe, or a peer that gave up
         except Exception as exc:
             log.warning("torchwire: %s refused a %s connection: %s", self.name, transport, exc)
             try:
@@ -891,21 +892,19 @@ class RpcAgent:
             sock.close()
             return
         conn = Connection(sock, rank, self._on_frames, self._on_close,
-                          max_message_size=self.max_message_size, initiated=False,
-                          transport=transport,
-                          cma_pid=self._cma_pid(peer.record, transport),
-                          defer=self._pool.submit, spawn=self._spawn_reader,
-                          **self._shm_args(peer.record, transport),
-                          **self._lane_args(rank, transport))
+                          channels=self._channels(peer, transport),
+                          defer=self._pool.submit, max_message_size=self.max_message_size,
+                          initiated=False, transport=transport)
         with self._conn_lock:
             if self.state is AgentState.CLOSED:
                 conn.close()
             self._incoming.add(conn)
         self._health.mark_up(rank)
-        return conn._read_loop
+        return conn.read_loop
 
     def _on_close(self, conn, exc) -> None:
         """Reader thread, once per connection: fail what depended on it."""
+        self._inline.forget(conn)
         with self._conn_lock:
             self._incoming.discard(conn)
             if conn in self._lanes_out:
@@ -1155,7 +1154,7 @@ class RpcAgent:
             c.close()
         for c in conns:
             c.join(2.0)
-        shm.clear()  # released segments; leased ones close when their mappings go
+        segments.clear()  # released segments; leased ones close when their mappings go
         self._timer.stop()
         self._health.stop()
         err = RpcStateError("RPC agent is shut down before the call completed")

@@ -33,7 +33,7 @@ import logging
 import threading
 import time
 
-from .._base.errors import AuthenticationError, WorkerUnavailableError
+from .._base.errors import AuthenticationError, ConnectError, WorkerUnavailableError
 from .._wire import frame as F
 
 log = logging.getLogger("torchwire")
@@ -134,7 +134,7 @@ class PeerHealth:
         authentication (retrying cannot help).
         """
         cause = exc.__cause__ if exc.__cause__ is not None else exc
-        if isinstance(cause, ConnectionRefusedError):
+        if isinstance(cause, ConnectError) and cause.refused:
             return f"its listener refused the connection (the process is gone): {cause}", True
         if isinstance(cause, AuthenticationError):
             return f"handshake failed: {cause}", True

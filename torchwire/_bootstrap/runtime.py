@@ -33,7 +33,7 @@ from .._base import devices
 from .._base.errors import RendezvousError, RpcStateError, RRefError, not_initialized
 from .._base.options import channel_allowed
 from .._rref import RRefContext
-from .._wire import cma, shm
+from .._wire.channels.link import local_offer
 from .._wire.auth import JobAuth
 from .._wire.listener import Listener, host_identity
 from . import membership as _membership
@@ -144,8 +144,8 @@ def _record(name: str, rank: int, options, listener: Listener, store_host, auth)
         tcp[0] = _route_host(store_host)
     record = {"name": name, "rank": rank, "host": host_identity(),
               "tcp": tcp, "unix": listener.unix_address,
-              "pid": os.getpid(), "cma": cma.probe_record(), "security": auth.record(),
-              "shm": shm.available() and channel_allowed(options, "shm")}
+              "pid": os.getpid(), "security": auth.record()}
+    record.update(local_offer(shm=channel_allowed(options, "shm")))
     record.update(devices.encode(options.device_maps, options.devices))
     return record
 

@@ -25,19 +25,29 @@ reason a maximum) checked from the header before its body is read, and the whole
 handshake has one deadline (``handshake_timeout``), not one per read, so a peer
 that sends nothing or trickles bytes is dropped when it passes.  The listener caps
 how many handshakes run at once.
+
+Errors, either side: ``AuthenticationError`` (a key not proven, or our proof
+refused), ``ProtocolError`` (not a torchwire peer, or not the rank dialled);
+``ConnectError`` when the deadline passes or TLS fails (the link could not be
+made); ``ConnectionBrokenError`` when the peer closes or resets the connection
+midway (on a server, a liveness probe that dials and hangs up looks like this).
+The socket's ``OSError`` is the ``__cause__`` of the last two.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import hmac
 import os
 import secrets
 import socket
+import ssl
 import struct
 import time
 
-from .._base.errors import AuthenticationError, ProtocolError
+from .._base.errors import (AuthenticationError, ConnectError, ConnectionBrokenError,
+                            ProtocolError)
 from . import frame as F
 from .tls import TlsConfig, settimeout_until
 
@@ -183,6 +193,22 @@ def _peer(sock) -> str:
     return f"{name[0]}:{name[1]}" if isinstance(name, tuple) else "a unix socket"
 
 
+@contextlib.contextmanager
+def _link_errors(peer: str, timeout: float):
+    """What the socket raises during a handshake, as torchwire's link errors."""
+    try:
+        yield
+    except socket.timeout as exc:
+        raise ConnectError(f"handshake with {peer} timed out after {timeout:g}s") from exc
+    except ssl.SSLError as exc:
+        raise ConnectError(f"TLS handshake with {peer} failed: {exc}") from exc
+    except EOFError as exc:
+        raise ConnectionBrokenError(f"{peer} closed the connection during the handshake"
+                                    ) from exc
+    except OSError as exc:
+        raise ConnectionBrokenError(f"{peer} left during the handshake: {exc}") from exc
+
+
 # ---------------------------------------------------------------------- handshake
 
 
@@ -196,19 +222,22 @@ def client_handshake(sock: socket.socket, my_rank: int, auth: JobAuth, expect_ra
     Raises:
         AuthenticationError: the server refused us or failed to prove its key.
         ProtocolError: it is not a torchwire worker or not the rank we dialled.
-        OSError, EOFError: the connection failed or the handshake timed out.
+        ConnectError: the handshake timed out, or TLS failed.
+        ConnectionBrokenError: the server closed or reset the connection.
     """
     deadline = time.monotonic() + auth.timeout
-    if auth.tls is not None and transport == "tcp":
-        sock = auth.tls.wrap(sock, server_side=False, hostname=host, deadline=deadline)
-    _, body = _recv_frame(sock, F.K_CHALLENGE, CHALLENGE.size, deadline)
-    server_rank, nonce_s = CHALLENGE.unpack(body)
-    if server_rank != expect_rank:
-        raise ProtocolError(f"connected to rank {server_rank}, expected rank {expect_rank}")
-    nonce_c = secrets.token_bytes(NONCE_SIZE)
-    mac = auth.mac(b"client", nonce_s, nonce_c, my_rank, server_rank)
-    _send(sock, F.K_HELLO, 0, HELLO.pack(my_rank, nonce_c, mac), deadline)
-    flags, body = _recv_frame(sock, F.K_HELLO_ACK, HELLO_ACK.size, deadline, refusal_ok=True)
+    with _link_errors(_peer(sock), auth.timeout):
+        if auth.tls is not None and transport == "tcp":
+            sock = auth.tls.wrap(sock, server_side=False, hostname=host, deadline=deadline)
+        _, body = _recv_frame(sock, F.K_CHALLENGE, CHALLENGE.size, deadline)
+        server_rank, nonce_s = CHALLENGE.unpack(body)
+        if server_rank != expect_rank:
+            raise ProtocolError(f"connected to rank {server_rank}, expected rank {expect_rank}")
+        nonce_c = secrets.token_bytes(NONCE_SIZE)
+        mac = auth.mac(b"client", nonce_s, nonce_c, my_rank, server_rank)
+        _send(sock, F.K_HELLO, 0, HELLO.pack(my_rank, nonce_c, mac), deadline)
+        flags, body = _recv_frame(sock, F.K_HELLO_ACK, HELLO_ACK.size, deadline,
+                                  refusal_ok=True)
     if flags:
         raise AuthenticationError(f"rank {server_rank} refused the connection: "
                                   f"{body.decode(errors='replace')}")
@@ -216,7 +245,8 @@ def client_handshake(sock: socket.socket, my_rank: int, auth: JobAuth, expect_ra
                                                server_rank)):
         raise AuthenticationError(f"the worker at rank {server_rank}'s address failed to prove "
                                   f"it knows the job secret ({MISMATCH_HINT})")
-    sock.settimeout(None)
+    with _link_errors(_peer(sock), auth.timeout):
+        sock.settimeout(None)
     return sock
 
 
@@ -230,25 +260,22 @@ def server_handshake(sock: socket.socket, my_rank: int, auth: JobAuth, world_siz
         ``(sock, peer_rank)``; ``sock`` is a :class:`TlsSocket` on a TLS link.
 
     Raises:
-        EOFError: the peer left before sending anything (a liveness probe).
-        AuthenticationError, ProtocolError, OSError: refused; the caller closes ``sock``.
+        ConnectionBrokenError: the peer left (a liveness probe, or a peer that gave up).
+        AuthenticationError, ProtocolError, ConnectError: refused (a stranger, another
+            job, a peer too slow for the deadline); the caller closes ``sock``.
     """
     deadline = time.monotonic() + auth.timeout
     peer = _peer(sock)
-    try:
-        if auth.tls is not None and transport == "tcp":
-            sock = auth.tls.wrap(sock, server_side=True, hostname=None, deadline=deadline)
-        nonce_s = secrets.token_bytes(NONCE_SIZE)
-        _send(sock, F.K_CHALLENGE, 0, CHALLENGE.pack(my_rank, nonce_s), deadline)
-        _, body = _recv_frame(sock, F.K_HELLO, HELLO.size, deadline)
-    except ProtocolError as exc:
-        _refuse(sock, str(exc), deadline)
-        raise ProtocolError(f"{exc} (from {peer})") from None
-    except (BrokenPipeError, ConnectionResetError):
-        raise EOFError(f"{peer} left during the handshake") from None
-    except socket.timeout:
-        raise socket.timeout(f"handshake with {peer} timed out after {auth.timeout:g}s"
-                             ) from None
+    with _link_errors(peer, auth.timeout):
+        try:
+            if auth.tls is not None and transport == "tcp":
+                sock = auth.tls.wrap(sock, server_side=True, hostname=None, deadline=deadline)
+            nonce_s = secrets.token_bytes(NONCE_SIZE)
+            _send(sock, F.K_CHALLENGE, 0, CHALLENGE.pack(my_rank, nonce_s), deadline)
+            _, body = _recv_frame(sock, F.K_HELLO, HELLO.size, deadline)
+        except ProtocolError as exc:
+            _refuse(sock, str(exc), deadline)
+            raise ProtocolError(f"{exc} (from {peer})") from None
     rank, nonce_c, mac = HELLO.unpack(body)
     if not hmac.compare_digest(mac, auth.mac(b"client", nonce_s, nonce_c, rank, my_rank)):
         _refuse(sock, f"authentication failed: {MISMATCH_HINT}", deadline)
@@ -257,7 +284,8 @@ def server_handshake(sock: socket.socket, my_rank: int, auth: JobAuth, world_siz
     if world_size is not None and not 0 <= rank < world_size:
         _refuse(sock, f"rank {rank} is outside the world of {world_size}", deadline)
         raise ProtocolError(f"peer {peer} claims rank {rank} outside world of {world_size}")
-    _send(sock, F.K_HELLO_ACK, 0, HELLO_ACK.pack(auth.mac(b"server", nonce_s, nonce_c, rank,
-                                                           my_rank)), deadline)
-    sock.settimeout(None)
+    with _link_errors(peer, auth.timeout):
+        _send(sock, F.K_HELLO_ACK, 0, HELLO_ACK.pack(auth.mac(b"server", nonce_s, nonce_c,
+                                                               rank, my_rank)), deadline)
+        sock.settimeout(None)
     return sock, rank

@@ -1,8 +1,8 @@
 """Receive buffers for large tensors, recycled when the tensor that used one dies.
 
 Fresh memory is slow to receive into: every 4 KiB page faults the first time the
-kernel copies into it, and on the VMs this was measured on that alone halves
-the bandwidth of a large transfer.  Programs that move tensors over RPC move the
+kernel copies into it, and a fault taken inside ``recv`` or ``process_vm_readv``
+can cost more than the copy itself.  Programs that move tensors over RPC move the
 same sizes again and again (parameters, activations, gradients), so a buffer
 whose tensor has been freed is kept and reused for the next tensor of a
 similar size — as torch's CUDA caching allocator does for device memory.

@@ -12,6 +12,11 @@ file descriptors without bound.
 
 The TCP socket binds to the given interface address; ``0.0.0.0`` (or ``::``)
 listens on every interface and is used only when asked for.
+
+Dialling (:func:`connect_tcp`, :func:`connect_unix`) raises ``ConnectError``, with
+``refused`` set when nothing listens at the address (the process is gone).  The
+``Listener`` constructor raises ``OSError``: a socket that cannot be bound is this
+worker's setup failing, not a link.
 """
 
 from __future__ import annotations
@@ -23,6 +28,8 @@ import sys
 import threading
 import time
 import uuid
+
+from .._base.errors import ConnectError
 
 log = logging.getLogger("torchwire")
 
@@ -136,21 +143,42 @@ class Listener:
 
 
 def connect_tcp(address, timeout: float) -> socket.socket:
-    sock = socket.create_connection(tuple(address), timeout=timeout)
-    _tune(sock, True)
+    """A TCP connection to ``address`` (host, port), made within ``timeout`` seconds.
+
+    Raises:
+        ConnectError: it could not be made (``refused``: nothing listens there).
+    """
+    try:
+        sock = socket.create_connection(tuple(address), timeout=timeout)
+    except OSError as exc:
+        raise _connect_error(exc) from exc
+    try:
+        _tune(sock, True)
+    except OSError as exc:
+        sock.close()
+        raise _connect_error(exc) from exc
     return sock
 
 
 def connect_unix(address: str, timeout: float) -> socket.socket:
+    """A connection to the Unix socket ``address``, made within ``timeout`` seconds.
+
+    Raises:
+        ConnectError: it could not be made (``refused``: nothing listens there).
+    """
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    sock.settimeout(timeout)
     try:
+        sock.settimeout(timeout)
         sock.connect(address)
-    except OSError:
+        _tune(sock, False)
+    except OSError as exc:
         sock.close()
-        raise
-    _tune(sock, False)
+        raise _connect_error(exc) from exc
     return sock
+
+
+def _connect_error(exc: OSError) -> ConnectError:
+    return ConnectError(str(exc), refused=isinstance(exc, ConnectionRefusedError))
 
 
 def listener_alive(record: dict, my_host: str, timeout: float = 2.0) -> bool:
@@ -164,10 +192,8 @@ def listener_alive(record: dict, my_host: str, timeout: float = 2.0) -> bool:
             sock = connect_unix(record["unix"], timeout)
         else:
             sock = connect_tcp(record["tcp"], timeout)
-    except socket.timeout:
-        return True
-    except OSError:
-        return False
+    except ConnectError as exc:
+        return isinstance(exc.__cause__, socket.timeout)  # no answer: no proof of death
     sock.close()
     return True
 

@@ -1,4 +1,4 @@
-"""Shared-memory channel: large tensors to a same-host peer through memfd segments.
+"""Shared-memory segments: the memory the shm channel (``shm.py``) moves tensors in.
 
 A large tensor bound for a peer on this host is copied once into a *segment*
 (a ``memfd`` this process owns and keeps mapped), and the segment's file
@@ -18,25 +18,30 @@ Two cases need no copy at all:
 
 "Unmodified" is read from ``/proc/self/pagemap``: a page of a private file
 mapping that was never written is either not present or the segment's own page
-(the file-page bit); a written page is an anonymous copy.  A modified tensor is
-copied like any other.
+(the file-page bit); a written page is an anonymous copy.
 
-Segments are recycled: a sender keeps released segments mapped (their pages
-already faulted in, so the next copy runs at memory speed): at most
-``MAX_FREE`` released ones, and up to ``warm_limit`` bytes of mappings; beyond
-it, a released segment is closed and a leased one is unmapped until it comes
-back.  A sender that needs a big segment while the one its peer just sent back
-is still leased waits briefly for that RELEASE (see ``_await_release``) rather
-than create a new one.  The kernel frees a segment's pages
-when the last descriptor and mapping anywhere are gone, so a peer that dies
-leaves nothing behind; a segment leased to a peer whose connection closed is
-never written again (the peer may still be mapping it) and is closed once this
-process no longer maps it either.
+A segment's lease, on the owner (``_Segment``; ``leases``: mappings each peer
+holds, ``local``: private mappings here)::
+
+    FREE     --export (copy in, or an own segment sent on)-->  LEASED
+    LEASED   --export again-->                                 LEASED (one more lease)
+    LEASED   --RELEASE of its last lease, no local mapping-->  FREE
+    LEASED   --its connection closes, or RELEASE with RETIRE-> TAINTED
+    TAINTED  --nobody maps it here-->                          CLOSED
+    FREE     --more than MAX_FREE free, or warm_limit-->       CLOSED
+
+A FREE segment stays mapped for reuse (its pages faulted in, so the next copy runs
+at memory speed) while mappings stay under ``warm_limit``; beyond it a leased one
+is unmapped until it comes back.  A sender that needs a big segment while the one
+its peer just sent back is still LEASED waits briefly for that RELEASE
+(``_await_release``) rather than create a new one.  The kernel frees a segment's
+pages when the last descriptor and mapping anywhere are gone, so a peer that dies
+leaves nothing behind.
 
 A fork copies this process's private mappings into the child, where no lease
-covers them: a mapping alive at a fork is *retired* when it dies here (its
-segment closed rather than recycled, so no later transfer writes under the
-child's copy), and a child never releases what it inherited.
+covers them: a mapping alive at a fork is *retired* when it dies here (RELEASE
+with RETIRE; an own segment is tainted), and a child never releases what it
+inherited.
 """
 
 from __future__ import annotations
@@ -54,8 +59,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from .._base.errors import ConnectionClosedError, ProtocolError
-from .._base.threads import in_io_thread
+from ..._base.errors import ConnectionClosedError, ProtocolError
+from ..._base.threads import in_io_thread
 
 HOW_FD = 1  # the segment's descriptor travels with the frame
 HOW_BACK = 2  # a segment of the receiver's own, returned unmodified
@@ -68,6 +73,8 @@ MAX_FREE = 8  # released segments kept for reuse (oldest closed first)
 _COPY_SPLIT = 8 << 20  # copies larger than this are split across threads
 _WAIT_MIN = 16 << 20  # below this, a new segment costs less than waiting for a release
 _VAIN_MAX = 2  # waits for a peer's releases that may time out before it is not waited for
+_WAIT_MAX_S = 0.5  # the longest wait for a release
+_FAULT_RATE = 2e9  # bytes/s, about: what creating a segment costs bounds a wait for one
 
 _libc = None
 if sys.platform.startswith("linux") and hasattr(os, "memfd_create"):
@@ -84,7 +91,7 @@ _MAP_FAILED = ctypes.c_void_p(-1).value
 
 
 def available() -> bool:
-    """memfd, fd passing and pagemap: all this channel needs (Linux)."""
+    """memfd, fd passing and pagemap: all the shm channel needs (Linux)."""
     return _libc is not None and os.path.exists("/proc/self/pagemap")
 
 
@@ -258,7 +265,7 @@ _start_lock = threading.Lock()
 _releaser = _Releaser()
 
 
-class _Channel:
+class _Segments:
     def __init__(self) -> None:
         self.lock = threading.RLock()  # weakref callbacks may run inside a locked section
         self.settled = threading.Condition(self.lock)  # a segment joined self.free
@@ -352,13 +359,12 @@ class _Channel:
 
         The echo pattern (send a tensor, get it back, send again) races the peer's
         RELEASE, which leaves after its reply: losing the race means creating and
-        faulting in a new segment (a second or more for 1 GiB) instead of waiting
-        the few hundred microseconds the release takes.  Only a segment the peer
-        already sent back and we no longer map qualifies, and the wait is bounded by
-        about what creating one would cost.  A peer that keeps what it sends back (a
-        parameter server returning a stored tensor) would make every such wait
-        vain: after ``_VAIN_MAX`` vain waits for one connection, its segments are
-        not waited for again.  Called with ``self.lock`` held.
+        faulting in a new segment, which costs far more than waiting for the release.
+        Only a segment the peer already sent back and we no longer map qualifies, and
+        the wait is bounded by about what creating one would cost.  A peer that keeps
+        what it sends back (a parameter server returning a stored tensor) would make
+        every such wait vain: after ``_VAIN_MAX`` vain waits for one connection, its
+        segments are not waited for again.  Called with ``self.lock`` held.
         """
         cand = None
         for s in self.segs.values():
@@ -372,7 +378,7 @@ class _Channel:
             return None
         self.counters["waits"] += 1
         self.settled.wait_for(lambda: cand in self.free or cand.id not in self.segs
-                              or cand.tainted, timeout=min(0.5, size / 2e9))
+                              or cand.tainted, timeout=min(_WAIT_MAX_S, size / _FAULT_RATE))
         if cand in self.free:
             self.vain.pop(conn, None)
             return cand
@@ -445,6 +451,11 @@ class _Channel:
                     m.conn = None  # no back-references on another connection
             self.vain.pop(conn, None)
             self.settled.notify_all()  # a sender waiting for one of its segments gives up
+
+    def leased_to(self, conn) -> int:
+        """Leases ``conn``'s peer holds (mappings it has not released)."""
+        with self.lock:
+            return sum(s.leases.get(conn, 0) for s in self.segs.values())
 
     # ------------------------------------------------------------ receiving
 
@@ -561,15 +572,16 @@ class _Channel:
                 self._close(self.free.pop())
 
 
-_channel = _Channel()
+_segments = _Segments()
 if hasattr(os, "register_at_fork"):
-    os.register_at_fork(before=_channel.before_fork,
-                        after_in_parent=_channel.after_fork_in_parent,
-                        after_in_child=_channel.after_fork_in_child)
-export = _channel.export
-release = _channel.release
-connection_closed = _channel.connection_closed
-import_fd = _channel.import_fd
-import_back = _channel.import_back
-stats = _channel.stats
-clear = _channel.clear
+    os.register_at_fork(before=_segments.before_fork,
+                        after_in_parent=_segments.after_fork_in_parent,
+                        after_in_child=_segments.after_fork_in_child)
+export = _segments.export
+release = _segments.release
+connection_closed = _segments.connection_closed
+import_fd = _segments.import_fd
+import_back = _segments.import_back
+stats = _segments.stats
+leased_to = _segments.leased_to
+clear = _segments.clear

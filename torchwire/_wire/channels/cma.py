@@ -8,17 +8,33 @@ parent relation, seccomp, containers in other PID namespaces) forbids it, so a
 connection uses it only after a probe: the reader tries to read a known token
 from the peer's published probe address and compares.
 
-The sender keeps each tensor alive until the receiver says it has read it
-(a RELEASE frame).
+A frame's buffers from ``min_size`` stay in the sender's memory; the stream
+carries ``REMOTE_REF`` (address, the frame's release token) for each.  The
+transfer, per frame::
+
+    sender                                   receiver
+    token = next token; hold the tensors
+    REQUEST/RESPONSE (CMA flag, REMOTE_BIT) ->
+                                             read each buffer (process_vm_readv)
+                                          <- RELEASE (token), written by the reader
+    drop the tensors                            itself unless another thread writes
+
+A connection that closes drops what it held: the peer can no longer ask for it.
 """
 
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import itertools
 import os
 import secrets
 import sys
+
+from ..._base.errors import ProtocolError
+from .. import frame as F
+from ..buffers import receive_buffer
+from . import Channel, OutFrame, register
 
 
 class _IOVec(ctypes.Structure):
@@ -38,6 +54,8 @@ if sys.platform.startswith("linux"):
 
 _TOKEN = secrets.token_bytes(16)
 _PROBE = ctypes.create_string_buffer(_TOKEN, len(_TOKEN))
+
+MIN_SIZE = 256 * 1024  # smaller buffers are cheaper inline than a syscall + a RELEASE
 
 
 def available() -> bool:
@@ -79,3 +97,56 @@ def read(pid: int, remote_addr: int, local_addr: int, n: int) -> None:
             err = ctypes.get_errno()
             raise OSError(err, f"process_vm_readv from pid {pid}: {os.strerror(err)}")
         done += got
+
+
+@register
+class CmaChannel(Channel):
+    """The CMA channel of one connection, to the process ``pid``.
+
+    Args:
+        pid: the peer's process id (its probe record read back right).
+        min_size: the smallest buffer sent this way.
+    """
+
+    name = "cma"
+    bit = F.REMOTE_BIT
+    release_flag = 0
+
+    def __init__(self, pid: int, min_size: int = MIN_SIZE) -> None:
+        self.pid = pid
+        self.min_size = max(1, min_size)
+        self._tokens = itertools.count(1)  # next() is atomic under the GIL
+        self._held: dict[int, object] = {}  # token -> the frame's tensors, until RELEASE
+
+    def encode(self, conn, frame: OutFrame, t, n: int) -> bool:
+        if frame.state is None:
+            frame.state = next(self._tokens)
+            frame.flags |= F.F_CMA
+        frame.add(n | F.REMOTE_BIT, F.REMOTE_REF.pack(t.data_ptr(), frame.state))
+        return True
+
+    def ready(self, conn, frame: OutFrame) -> None:
+        self._held[frame.state] = frame.tensors  # before it is written: RELEASE follows
+
+    def drop(self, conn, frame: OutFrame) -> None:
+        self._held.pop(frame.state, None)
+
+    def decode(self, conn, rx, n: int):
+        addr, token = rx.read_ref(F.REMOTE_REF)
+        t = receive_buffer(n)
+        try:
+            read(self.pid, addr, t.data_ptr(), n)
+        except OSError as exc:
+            raise ProtocolError(f"cannot read a buffer from rank {conn.peer_rank}'s memory: "
+                                f"{exc}") from exc
+        rx.ack = token  # the reader sends the RELEASE once the frame is read
+        return t
+
+    def released(self, conn, token: int, flags: int) -> None:
+        self._held.pop(token, None)
+
+    def holding(self, conn) -> int:
+        return len(self._held)
+
+    def close(self, conn) -> None:
+        self._held.clear()

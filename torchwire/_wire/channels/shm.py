@@ -1,0 +1,98 @@
+"""The shared-memory channel: large buffers to a same-host peer in memfd segments.
+
+The segments and their leases are ``segments.py``; this is how a buffer in one
+travels.  The stream carries ``SHM_REF`` (segment id, segment size, offset, mode)
+for each buffer, in one of two modes::
+
+    HOW_FD    the segment's descriptor rides with the frame (SCM_RIGHTS, attached
+              to the sendmsg that starts with the frame's header, so it arrives no
+              later than the header); the receiver maps it privately
+    HOW_BACK  a segment of the receiver's own, sent back unmodified: it maps it again
+
+A transfer, per buffer::
+
+    sender                                      receiver
+    export: lease a segment (copy in, or
+      reuse an own or returned one)
+    frame (SHM_BIT buffer, descriptor) ->
+                                                map the segment; lend it to a tensor
+                                                ... the last tensor over it dies
+                                             <- RELEASE (SHM flag, segment id; RETIRE
+                                                if a fork may still map it), sent by
+                                                the release thread
+    the lease ends (segments.py)
+
+A connection that closes ends its leases: what the peer may still map is never
+written again.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from ..._base.errors import ProtocolError
+from .. import frame as F
+from . import MAX_FDS, Channel, ChannelFailed, OutFrame, register
+from . import segments
+
+log = logging.getLogger("torchwire")
+
+MIN_SIZE = 2 << 20  # below this, mapping + unmapping costs more than CMA's copy
+
+
+@register
+class ShmChannel(Channel):
+    """The shared-memory channel of one connection (a plain Unix socket).
+
+    Args:
+        min_size: the smallest buffer sent this way.
+    """
+
+    name = "shm"
+    bit = F.SHM_BIT
+    release_flag = F.F_SHM
+    needs_plain_socket = True
+    receives_fds = True
+
+    def __init__(self, min_size: int = MIN_SIZE) -> None:
+        self.min_size = max(1, min_size)
+
+    def encode(self, conn, frame: OutFrame, t, n: int) -> bool:
+        if len(frame.fds) >= MAX_FDS:
+            return False
+        try:
+            seg_id, seg_size, offset, how, fd = segments.export(t, n, conn)
+        except OSError as exc:  # no memory for a segment, descriptors exhausted, ...
+            log.warning("torchwire: shared-memory channel to rank %s failed (%s); "
+                        "sending through the socket", conn.peer_rank, exc)
+            raise ChannelFailed from exc
+        if fd is not None:
+            frame.fds.append(fd)
+            if frame.state is None:
+                frame.state = []
+            frame.state.append(seg_id)
+        frame.add(n | F.SHM_BIT, F.SHM_REF.pack(seg_id, seg_size, offset, how))
+        return True
+
+    def drop(self, conn, frame: OutFrame) -> None:
+        for seg_id in frame.state or ():
+            segments.release(conn, seg_id)
+
+    def decode(self, conn, rx, n: int):
+        seg_id, seg_size, offset, how = rx.read_ref(F.SHM_REF)
+        if how == segments.HOW_FD:
+            if not conn.fds:
+                raise ProtocolError("shared-memory buffer arrived without its descriptor")
+            return segments.import_fd(conn, conn.fds.popleft(), seg_id, seg_size, offset, n)
+        if how == segments.HOW_BACK:
+            return segments.import_back(conn, seg_id, offset, n)
+        raise ProtocolError(f"unknown shared-memory buffer mode {how}")
+
+    def released(self, conn, token: int, flags: int) -> None:
+        segments.release(conn, token, bool(flags & F.F_RETIRE))
+
+    def close(self, conn) -> None:
+        segments.connection_closed(conn)
+
+    def holding(self, conn) -> int:
+        return segments.leased_to(conn)

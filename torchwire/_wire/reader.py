@@ -1,0 +1,252 @@
+"""The read loop of one connection.
+
+One ``recv_into`` fills a 256 KiB buffer and every complete frame in it is decoded,
+so a burst of small messages costs one system call.  A buffer of up to
+``SMALL_BUFFER`` bytes that is already whole in the read buffer is copied into a
+``bytearray`` right here (no torch call, no Python call: each costs microseconds
+with the caches cold between messages); any other buffer goes to its channel: the
+socket channel receives one larger than what is buffered straight into its final
+tensor storage, and a buffer with a channel bit goes to the channel registered for
+that bit on the connection.
+
+The frames decoded from one read are handed to ``on_frames`` as one batch.  When a
+batch ends the buffer (the reader is *at rest*), ``on_frames`` may run requests on
+this thread and hand the reading to another one meanwhile; it then returns True and
+this loop stops (``HANDED_OFF``).  The other thread starts afresh: at rest there is
+no state to pass.
+
+Errors end the loop: the end of the stream or an ``OSError`` becomes a
+``ConnectionBrokenError`` (the ``OSError`` as its cause), except that the end of the
+stream after the peer's GOODBYE is an orderly close (no error).
+"""
+
+from __future__ import annotations
+
+import array
+import logging
+import socket
+
+from .._base.errors import ConnectionBrokenError, LinkError, ProtocolError
+from . import frame as F
+from .channels.socket import SOCKET
+
+log = logging.getLogger("torchwire")
+
+READ_BUF = 256 * 1024
+SMALL_BUFFER = 64 << 10  # buffers up to this size, already read, become bytearrays
+HANDED_OFF = object()  # run(): another thread reads this connection now
+_ANC_SPACE = socket.CMSG_SPACE(253 * 4) if hasattr(socket, "CMSG_SPACE") else 0
+_CLOEXEC = int(getattr(socket, "MSG_CMSG_CLOEXEC", 0))
+_CTRUNC = int(getattr(socket, "MSG_CTRUNC", 0))
+
+
+class Stream:
+    """What a channel's decoder may do with the stream it reads a buffer from.
+
+    Attributes:
+        read_exact_into: ``read_exact_into(view)``: fill ``view`` from the stream
+            (what is buffered first, then straight from the socket).
+        read_ref: ``read_ref(struct) -> tuple``: read and unpack a channel reference.
+        deliver: hand the frames decoded so far to ``on_frames`` (before a wait).
+        ack: a token to RELEASE once the frame's buffers are read (0: none).
+    """
+
+    __slots__ = ("read_exact_into", "read_ref", "deliver", "ack")
+
+    def __init__(self, read_exact_into, read_ref, deliver) -> None:
+        self.read_exact_into = read_exact_into
+        self.read_ref = read_ref
+        self.deliver = deliver
+        self.ack = 0
+
+
+def run(conn):
+    """Read ``conn`` until it ends or its reading is handed off.
+
+    Returns:
+        ``HANDED_OFF``; or why reading ended: None after the peer's GOODBYE, else a
+        torchwire error (``ConnectionBrokenError``, ``ProtocolError``, a
+        ``LinkError`` of a channel) or, for a bug here, the exception itself.
+    """
+    try:
+        return _read(conn)
+    except EOFError as exc:
+        if conn.goodbye_received:
+            return None
+        return _broken(exc)
+    except OSError as exc:
+        return _broken(exc)
+    except (ProtocolError, LinkError) as exc:
+        return exc
+    except Exception as exc:  # a bug in decoding must not leave the peer hanging
+        log.exception("torchwire: reader for rank %s failed", conn.peer_rank)
+        return exc
+
+
+def _broken(exc: BaseException) -> ConnectionBrokenError:
+    err = ConnectionBrokenError(str(exc))
+    err.__cause__ = exc
+    return err
+
+
+def _read(conn):  # noqa: C901 - the hot loop, kept in one piece
+    sock = conn.sock
+    buf = bytearray(READ_BUF)
+    mv = memoryview(buf)
+    start = end = 0
+    frames: list = []
+    on_frames = conn.on_frames
+    maxsize = conn.max_message_size
+    channels = conn.channels
+    decoders = channels.receive
+    socket_decode = SOCKET.decode
+    header_size = F.HEADER_SIZE
+    unpack_header = F.HEADER.unpack_from
+    decode_buffer_lens = F.decode_buffer_lens
+    magic, version, max_buffers = F.MAGIC, F.VERSION, F.MAX_BUFFERS
+    k_first, k_last = F.K_HELLO, F.K_DATA
+    k_data, k_release, k_control, k_goodbye = F.K_DATA, F.K_RELEASE, F.K_CONTROL, F.K_GOODBYE
+    ping, pong = F.CTRL_PING, F.CTRL_PONG
+    channel_bits, len_mask = F.CHANNEL_BITS, F.LEN_MASK
+    small = SMALL_BUFFER
+    fdq = conn.fds
+    peer = conn.peer_rank
+    if channels.fd_passing:  # descriptors may ride with the bytes: read them too
+        def recv_into(view) -> int:
+            got, anc, msg_flags, _ = sock.recvmsg_into([view], _ANC_SPACE, _CLOEXEC)
+            for level, typ, data in anc:
+                if level == socket.SOL_SOCKET and typ == socket.SCM_RIGHTS:
+                    fds = array.array("i")
+                    fds.frombytes(data[:len(data) - len(data) % fds.itemsize])
+                    fdq.extend(fds)
+            if msg_flags & _CTRUNC:
+                raise ProtocolError("descriptors from the peer were truncated")
+            return got
+    else:
+        recv_into = sock.recv_into
+
+    def deliver() -> None:
+        nonlocal frames
+        if frames:
+            batch, frames = frames, []
+            on_frames(conn, batch, False)
+
+    def fill(need: int) -> None:
+        """Make ``need`` bytes available at ``start`` (need <= len(buf))."""
+        nonlocal start, end
+        if frames:
+            deliver()
+        if len(buf) - start < need:
+            n = end - start
+            mv[0:n] = mv[start:end]
+            start, end = 0, n
+        while end - start < need:
+            got = recv_into(mv[end:])
+            if not got:
+                raise EOFError(f"rank {peer} closed the connection")
+            end += got
+
+    def read_exact_into(dst: memoryview) -> None:
+        """Copy what is buffered into ``dst``, then receive the rest directly."""
+        nonlocal start
+        n = len(dst)
+        have = min(end - start, n)
+        if have:
+            dst[0:have] = mv[start:start + have]
+            start += have
+        off = have
+        if off < n and frames:
+            deliver()
+        while off < n:
+            got = recv_into(dst[off:])
+            if not got:
+                raise EOFError(f"rank {peer} closed the connection mid-frame")
+            off += got
+            conn.progress_in += 1  # a long transfer is not a silent peer
+
+    def read_ref(ref):
+        data = bytearray(ref.size)
+        read_exact_into(memoryview(data))
+        return ref.unpack(data)
+
+    rx = Stream(read_exact_into, read_ref, deliver)
+
+    while True:
+        if end - start < header_size:
+            fill(header_size)
+        m, ver, kind, flags, rid, plen, nbufs = unpack_header(buf, start)
+        if m != magic or ver != version:
+            F.decode_header(mv[start:start + header_size], maxsize)  # raises the precise error
+        if kind > k_last or kind < k_first:
+            raise ProtocolError(f"unknown frame kind {kind}")
+        if plen > maxsize or nbufs > max_buffers:
+            F.decode_header(mv[start:start + header_size], maxsize)
+        start += header_size
+        tensors: list = []
+        if nbufs:
+            need = 8 * nbufs
+            if need <= READ_BUF:
+                if end - start < need:
+                    fill(need)
+                lens = decode_buffer_lens(mv[start:start + need], nbufs, plen, maxsize)
+                start += need
+            else:  # a table larger than the read buffer (> 32768 tensors)
+                table = bytearray(need)
+                read_exact_into(memoryview(table))
+                lens = decode_buffer_lens(table, nbufs, plen, maxsize)
+        else:
+            lens = ()
+        if end - start >= plen:
+            payload = bytes(mv[start:start + plen])
+            start += plen
+        elif plen <= READ_BUF:
+            fill(plen)
+            payload = bytes(mv[start:start + plen])
+            start += plen
+        else:
+            payload = bytearray(plen)
+            read_exact_into(memoryview(payload))
+        if kind == k_data:  # on a lane: the second part of a split buffer
+            channels.read_data(conn, rx, rid, lens, payload)
+            conn.bytes_in += header_size + 8 + plen + lens[0]
+            continue
+        by_channel = False
+        for n in lens:
+            if 0 < n <= small and end - start >= n:
+                t = bytearray(mv[start:start + n])
+                start += n
+            elif n & channel_bits:
+                ch = decoders.get(n & channel_bits)
+                if ch is None:
+                    raise channels.unknown(n & channel_bits)
+                t = ch.decode(conn, rx, n & len_mask)
+                by_channel = True
+            else:
+                t = socket_decode(conn, rx, n)
+            tensors.append(t)
+        if by_channel and rx.ack:
+            token, rx.ack = rx.ack, 0
+            conn.release_from_reader(token)
+        if kind == k_release:
+            channels.released(conn, rid, flags)
+            continue
+        if kind == k_control and (rid == ping or rid == pong):
+            conn.heartbeats_in += 1
+            if rid == ping:
+                conn.defer(conn.send_control, pong)
+            continue
+        conn.frames_in += 1
+        size = header_size + 8 * nbufs + plen
+        for n in lens:
+            size += n & len_mask
+        conn.bytes_in += size
+        if kind == k_goodbye:
+            conn.goodbye_received = True
+        frames.append((kind, flags, rid, payload, tensors))
+        payload = tensors = t = None  # the frame owns them now
+        if start == end:
+            batch, frames = frames, []
+            start = end = 0
+            if on_frames(conn, batch, True):
+                return HANDED_OFF
+            batch = None

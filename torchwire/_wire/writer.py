@@ -1,0 +1,263 @@
+"""The combining writer of one connection: no writer thread.
+
+A sender appends its frame's parts to the connection's queue; if no other thread
+is writing, it takes the writer's turn and writes everything queued (its own frame
+and any that arrive meanwhile) with ``sendmsg`` scatter/gather, straight from
+tensor memory.  Idle, a frame goes out at once from the caller's thread; under
+load, frames coalesce.
+
+The usual case skips the queue: when nobody is writing, the sender writes its
+frame directly (one lock round to take the turn, one to give it back) and only
+then looks for frames queued meanwhile.
+
+Errors: a write on a closed connection raises ``ConnectionClosedError``; a write
+that fails (the peer reset, the network) raises ``ConnectionBrokenError`` with the
+``OSError`` as its cause, and closes the connection with it.
+"""
+
+from __future__ import annotations
+
+import array
+import os
+import socket
+import threading
+from functools import partial
+
+from .._base.errors import ConnectionBrokenError, ConnectionClosedError
+
+_IOV_MAX = 1000  # parts per sendmsg (Linux takes at most 1024)
+_DONTWAIT = int(getattr(socket, "MSG_DONTWAIT", 0))
+
+
+class Fds:
+    """In a connection's queue, just before a frame's header: the descriptors
+    that frame's buffers need.  They go with the first ``sendmsg`` that carries
+    the frame, so they reach the reader no later than the header.  The queue owns
+    them (duplicates) and closes them once sent or dropped; closing twice is safe."""
+
+    __slots__ = ("fds",)
+
+    def __init__(self, fds: list[int]) -> None:
+        self.fds = fds
+
+    def close(self) -> None:
+        fds, self.fds = self.fds, []
+        for fd in fds:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+
+def close_fds(parts) -> None:
+    """Close the descriptors of every ``Fds`` marker among ``parts``."""
+    for p in parts:
+        if type(p) is Fds:
+            p.close()
+
+
+class Writer:
+    """Writes one connection's frames; any thread may send.
+
+    Args:
+        sock: the connected socket (a ``TlsSocket`` on a TLS link).
+        peer_rank: for messages.
+        defer: ``defer(fn, *args)`` runs ``fn`` on a pool thread.
+        broken: ``broken(exc)``: a write failed with ``exc`` (an ``OSError``): close
+            the connection.
+
+    ``lock`` guards the queue and ``closed``; the connection holds it to close.
+    """
+
+    def __init__(self, sock, peer_rank: int, defer, broken) -> None:
+        self.lock = threading.Lock()
+        self.queue: list = []
+        self.keep: list = []  # tensors of queued frames, alive until written
+        self.flushing = False  # a thread holds the writer's turn
+        self.closed = False
+        self.fd_frames = 0  # frames in the queue that carry descriptors
+        self.frames_out = 0
+        self.bytes_out = 0
+        self._peer = peer_rank
+        self._sock = sock
+        self._defer = defer
+        self._broken = broken
+        # A TLS link encrypts part by part; a plain socket takes them all in one sendmsg.
+        self._sendall = getattr(sock, "sendall_parts", None) or partial(_sendall, sock)
+        self.nowait = isinstance(sock, socket.socket) and bool(_DONTWAIT)
+
+    def enqueue(self, parts: list, tensors, size: int) -> None:
+        """Write one frame's ``parts`` (``size`` bytes; ``tensors`` alive until written),
+        or queue them behind the thread that is writing.
+
+        Raises:
+            ConnectionClosedError: the connection is closed.
+            ConnectionBrokenError: the write failed (the connection is closed now).
+        """
+        with self.lock:
+            if self.closed:
+                raise ConnectionClosedError(f"connection to rank {self._peer} is closed")
+            self.frames_out += 1
+            self.bytes_out += size
+            # Nobody writing (so nothing queued) and no descriptors: this thread writes
+            # its frame straight away, without the queue (``tensors``, a local here,
+            # keeps the buffers alive meanwhile).
+            direct = not self.flushing and type(parts[0]) is not Fds
+            if not direct:
+                self.queue.extend(parts)
+                if type(parts[0]) is Fds:
+                    self.fd_frames += 1
+                if tensors:
+                    self.keep.append(tensors)
+                if self.flushing:
+                    return
+            self.flushing = True
+        if direct:
+            try:
+                self._sendall(parts)
+            except OSError as exc:
+                self._write_failed(exc)
+            with self.lock:
+                if not self.queue:  # (nobody queued a frame meanwhile)
+                    self.flushing = False
+                    return
+        self.flush()
+
+    def flush(self) -> None:
+        """Write what is queued until the queue is empty; the caller holds the turn."""
+        while True:
+            with self.lock:
+                parts = self.queue
+                if not parts:
+                    self.flushing = False
+                    self.keep = []
+                    return
+                self.queue = []
+                keep = self.keep
+                self.keep = []
+                with_fds, self.fd_frames = self.fd_frames, 0
+            try:
+                if with_fds:
+                    _sendall_fds(self._sock, parts)
+                else:
+                    self._sendall(parts)
+            except OSError as exc:
+                if with_fds:
+                    close_fds(parts)
+                self._write_failed(exc)
+            if with_fds:
+                close_fds(parts)
+            del keep
+
+    def send_nowait(self, frame: bytes) -> bool:
+        """Send one small encoded frame from a thread that must never block on a write
+        (a reader: two peers whose readers both waited for buffer space would
+        deadlock), without waking another thread in the usual case.
+
+        Written at once when no other thread is writing and the socket takes it
+        without blocking; else it joins the queue of the thread that is writing;
+        a tail the socket did not take goes to the pool, which finishes the write.
+        False (nothing done) on a link that cannot do this (TLS): the caller then
+        hands the frame to the pool itself.  A closed connection drops the frame
+        quietly (its reader reports the loss).
+        """
+        if not self.nowait:
+            return False
+        with self.lock:
+            if self.closed:
+                return True
+            self.frames_out += 1
+            self.bytes_out += len(frame)
+            if self.flushing:  # the writing thread sends it with what it has
+                self.queue.append(frame)
+                return True
+            self.flushing = True
+        try:
+            sent = self._sock.send(frame, _DONTWAIT)
+        except BlockingIOError:
+            sent = 0
+        except OSError as exc:
+            with self.lock:
+                self.flushing = False
+            self._broken(exc)
+            return True
+        with self.lock:
+            if sent < len(frame):
+                self.queue.insert(0, frame[sent:])
+            elif not self.queue:
+                self.flushing = False
+                return True
+        # Left to write (the tail, or what others queued meanwhile): the pool
+        # finishes, still holding the writer's turn.
+        try:
+            self._defer(self._flush_or_close)
+        except RuntimeError:  # the pool is shut down: this is the last writer
+            self._flush_or_close()
+        return True
+
+    def _flush_or_close(self) -> None:
+        try:
+            self.flush()
+        except (ConnectionClosedError, ConnectionBrokenError):
+            pass  # the reader reports the loss
+
+    def shut(self) -> list:
+        """Refuse every later frame; return the parts still queued (to close their
+        descriptors).  The caller holds ``lock``."""
+        self.closed = True
+        dropped, self.queue = self.queue, []
+        self.fd_frames = 0
+        self.keep = []
+        return dropped
+
+    def _write_failed(self, exc: OSError) -> None:
+        """The writing thread's write failed: drop what is queued, close, and raise."""
+        with self.lock:
+            self.flushing = False
+            dropped, self.queue = self.queue, []
+            self.fd_frames = 0
+            self.keep = []
+        close_fds(dropped)
+        self._broken(exc)
+        raise ConnectionBrokenError(f"write to rank {self._peer} failed: {exc}") from exc
+
+
+def _sendall_fds(sock: socket.socket, parts: list) -> None:
+    """``_sendall`` for a queue holding ``Fds`` markers: each marker starts a
+    new ``sendmsg`` that carries its descriptors with the frame that follows."""
+    start, anc = 0, None
+    for i, p in enumerate(parts):
+        if type(p) is Fds:
+            if i > start:
+                _sendall(sock, parts[start:i], anc)
+            anc = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", p.fds))]
+            start = i + 1
+    if start < len(parts):
+        _sendall(sock, parts[start:], anc)
+
+
+def _sendall(sock: socket.socket, parts: list, anc=None) -> None:
+    """Write every part, in order, with as few ``sendmsg`` calls as the kernel allows
+    (``anc``: ancillary data for the first one)."""
+    i, n = 0, len(parts)
+    while i < n:
+        chunk = parts[i:i + _IOV_MAX]
+        if anc:
+            sent = sock.sendmsg(chunk, anc)
+            anc = None
+        else:
+            sent = sock.sendmsg(chunk)
+        # consume `sent` bytes from the chunk
+        j = 0
+        for p in chunk:
+            ln = len(p) if not isinstance(p, memoryview) else p.nbytes
+            if sent >= ln:
+                sent -= ln
+                j += 1
+            else:
+                break
+        i += j
+        if sent:
+            # partial part: keep the unsent tail
+            head = parts[i]
+            parts[i] = memoryview(head)[sent:]
