@@ -9,9 +9,8 @@ without deadlock.  Extra threads exit after a short idle period.
 
 Idle threads wait on a stack, and work wakes the one that went idle last: its
 caches, and the OpenMP team torch keeps per calling thread, are warm.  (A
-``Condition`` wakes the longest-waiting thread, so a stream of calls rotates
-through every thread of the pool; a small torch backward measured ~1 ms instead
-of ~0.2 ms that way on a 2-core machine.)
+``Condition`` wakes the longest-waiting thread, so a stream of calls would rotate
+through every thread of the pool, each with cold caches.)
 """
 
 from __future__ import annotations

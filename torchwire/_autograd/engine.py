@@ -78,8 +78,8 @@ def _engine_backward(outputs: list, grads: list, retain: bool, inputs: list) -> 
     """``torch.autograd.backward(outputs, grads, retain_graph=retain, inputs=inputs)``.
 
     Plain tensors go straight to the engine (what that function ends in): its Python
-    checks cost ~70 µs a pass with the caches cold, as between messages, against
-    ~10 µs hot.  The engine still validates each gradient against its output.
+    checks cost far more with the caches cold, as between messages, than hot.  The
+    engine still validates each gradient against its output.
     Tensor subclasses (``__torch_function__``) take the public function."""
     plain = _run_backward is not None
     if plain:

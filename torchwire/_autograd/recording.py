@@ -78,8 +78,8 @@ def _rebuild_recv(context_id: int, src: int, send_id: int, t: torch.Tensor):
 
 
 # _Recv's C++ apply, without autograd.Function.apply's Python wrapper (default-argument
-# binding, the functorch checks): ~10 µs less per received tensor with the caches
-# cold.  Under a functorch transform the wrapper is used.
+# binding, the functorch checks), which costs microseconds per received tensor with
+# the caches cold.  Under a functorch transform the wrapper is used.
 _recv_apply = super(torch.autograd.Function, _Recv).apply
 _functorch_active = torch._C._are_functorch_transforms_active
 

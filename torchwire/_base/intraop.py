@@ -8,15 +8,14 @@ OpenMP and MKL counts are its own; the user's threads keep torch's setting):
   CPUs it may use divided by the job's workers on this host (:func:`share_thread`).
   Every worker's threads would otherwise each take torch's count, which is sized
   for the whole machine; on a 2-core host running 2 workers a request's OpenMP team
-  waited for CPUs the other process held (the bench's served EmbeddingBag and
-  Linear(32, 1000) forwards: step 4% faster with 1 thread than 2).  torch's own
-  launcher sets OMP_NUM_THREADS=1 when it starts several processes per host, for
-  the same reason.
+  waited for CPUs the other process held.  torch's own launcher sets
+  OMP_NUM_THREADS=1 when it starts several processes per host, for the same reason.
 * A local pass of the distributed backward over few elements runs on one thread
   (:func:`serial_for`, :func:`restore`): each parallel region wakes the thread's
   OpenMP team, and on tensors this small the wake-up costs more than the split
-  saves (a Linear(32, 1000) backward on a loaded 2-core machine: 157 µs with 2
-  threads, 84 µs with 1).
+  saves.
+
+Measurements behind both: docs/architecture.md, "Intra-op threads".
 """
 
 from __future__ import annotations
@@ -28,8 +27,7 @@ import threading
 import torch
 
 # Work over fewer elements than this (leaves and incoming gradients of a pass) runs on
-# the calling thread alone.  (An optimizer step over the bench's 65k parameters gained
-# nothing from it: 135 µs either way, so steps keep torch's setting.)
+# the calling thread alone.  Optimizer steps keep torch's setting (no gain measured).
 SERIAL_MAX_ELEMENTS = 1 << 18
 
 
@@ -50,8 +48,7 @@ def _find_mkl_local():
 
     MKL keeps its own thread count beside OpenMP's: with only OpenMP at 1, a small
     ``mm`` with a long inner dimension still splits it over an OpenMP team, and
-    waits for the team's other thread to be scheduled (a Linear(32, 1000) backward:
-    ~25 µs serial, 0.4-1 ms waiting on a loaded 2-core machine)."""
+    waits for the team's other thread to be scheduled."""
     if not torch.backends.mkl.is_available():
         return None
     try:
@@ -73,9 +70,7 @@ _mkl_local = _find_mkl_local() if _omp is not None else None
 # may use, among the workers of its job on this host (None: torch's setting).  Every
 # worker's passes would otherwise each take torch's count, which is sized for the
 # whole machine: on a 2-core host running 2 workers, a pass's OpenMP team waited for
-# the other process's threads (a Linear(128, 4000) backward took ~1.5 ms; the step's
-# backward, 3.4-3.8 ms with 2 threads, took 2.5-2.7 ms with 1).  torch's own
-# launcher sets OMP_NUM_THREADS=1 for several processes per host for this reason.
+# the other process's threads.
 _pass_threads: int | None = None
 _generation = 0  # bumped when the share changes: threads apply it again
 

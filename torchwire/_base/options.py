@@ -63,7 +63,7 @@ class TorchwireRpcBackendOptions(RpcBackendOptions):
             = all, best first.  Across hosts buffers always go through the socket.
         _channel_threshold: buffers of at least this many bytes leave the socket
             stream for the ``shm`` or ``cma`` channel; ``None``: 2 MiB for ``shm``,
-            256 KiB for ``cma`` (each where it beats the other on the machines measured).
+            256 KiB for ``cma`` (each where it beats the other; see docs/guide-channels.md).
         _tcp_lanes: split buffers of 8 MiB or more sent over TCP across the connection
             and a second one (a lane) to the same peer, written and read by two
             threads at once (True).

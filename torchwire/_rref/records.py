@@ -11,9 +11,10 @@ import enum
 import threading
 
 from .._agent.future import Future
-from .._agent.runtime import require_runtime
+from .._agent.runtime import current
+from .._agent.state import AgentState
 from .._base import threads
-from .._base.errors import RpcTimeoutError
+from .._base.errors import RpcTimeoutError, not_initialized
 
 Id = tuple
 
@@ -29,7 +30,13 @@ def context():
         RpcStateError: RPC is not initialized ("Current RPC agent is not set", torch's
             phrase for RRefs).
     """
-    return require_runtime(lookup=True).rrefs
+    rt = current.runtime  # (require_runtime, inlined: this is on every RRef's paths)
+    if rt is None or rt.agent.state is _CLOSED:
+        raise not_initialized(lookup=True)
+    return rt.rrefs
+
+
+_CLOSED = AgentState.CLOSED
 
 
 class Entry:

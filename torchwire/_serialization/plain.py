@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from .._base.asyncexec import is_async
+from .._base.asyncexec import ASYNC_ATTR
 from .._base.errors import ProtocolError, SerializationError
 from .hooks import hooks
 from .pickler import SendContext, _shaped
@@ -154,8 +154,8 @@ def plain_call(func, args, kwargs, dest: int) -> tuple[bytes, list, SendContext 
     if kwargs or type(func) is not _FUNCTION or type(args) is not tuple:
         return None
     name = func.__name__
-    if func.__qualname__ != name or is_async(func):
-        return None
+    if func.__qualname__ != name or getattr(func, ASYNC_ATTR, None) is not None:
+        return None  # (is_async, inlined: every call's path)
     module = func.__module__
     mod = sys.modules.get(module) if type(module) is str else None
     if mod is None or getattr(mod, name, None) is not func:

@@ -65,9 +65,10 @@ def _bare_step(optim):
     """``type(optim).step`` without the wrapper every torch optimizer's step gets
     (``Optimizer.profile_hook_step``: a profiler range, and the step pre and post
     hooks), or None where that wrapper is not found.  With the caches cold, as on a
-    worker between messages, the wrapper costs ~45 µs of a ~100 µs SGD step; a
-    DistributedOptimizer's local optimizers are its own, so only hooks registered
-    for all optimizers can be there, and with some the full step runs."""
+    worker between messages, the wrapper costs nearly half an SGD step (figures in
+    docs/architecture.md); a DistributedOptimizer's local optimizers are its own, so
+    only hooks registered for all optimizers can be there, and with some the full
+    step runs."""
     step = type(optim).step
     inner = getattr(step, "__wrapped__", None)
     if not getattr(step, "hooked", False) or inner is None or _GLOBAL_PRE is None or \
@@ -84,7 +85,7 @@ def _plain_sgd_step(optim) -> bool:
     """``SGD.step`` for plain SGD (no momentum, weight decay, maximize; a number as the
     learning rate; CPU parameters): ``param.add_(grad, alpha=-lr)`` for each parameter
     with a gradient, what ``torch.optim.SGD`` computes then (its ``_single_tensor_sgd``),
-    without its Python around it (~40 µs with the caches cold, as on a worker between
+    without its Python around it (costly with the caches cold, as on a worker between
     messages; torch's own DistributedOptimizer runs such optimizers as TorchScript
     functional ones).  False (nothing done) for any other optimizer or setting."""
     if type(optim) is not _SGD or getattr(optim, "grad_scale", None) is not None or \

@@ -225,7 +225,8 @@ def remote(to, func, args=None, kwargs=None, timeout=UNSET_RPC_TIMEOUT) -> RRef:
         >>> rref2 = rpc.remote("worker1", torch.add, args=(torch.ones(2), 1))
         >>> x = rref1.to_here() + rref2.to_here()
     """
-    return _rref.remote(to, func, args, kwargs, timeout)
+    _agent, info, args, kwargs, timeout = check_call(to, func, args, kwargs, timeout)
+    return _rref.context().remote(info, func, args, kwargs, timeout)
 
 
 @contextlib.contextmanager
