@@ -317,7 +317,7 @@ def _stranger(addr_q, out_q, done, target: str, timeout: float) -> None:
         rpc.init_rpc("intruder", rank=0, world_size=1,
                      rpc_backend_options=options(new_init_method()))
         # its job's JobAuth: another secret, another token
-        own_auth = rpc.api._get_current_rpc_agent()._job
+        own_auth = rpc.api._get_current_rpc_agent().links.job
         for kind in ("tcp", "unix"):
             s = dial(kind)
             try:
@@ -346,7 +346,7 @@ def test_strangers_and_other_jobs_are_refused_and_no_pickle_is_loaded(tmp_path):
     def body(rank, world_size):
         logs = _capture_logs()
         if rank == 0:
-            listener = rpc.api._get_current_rpc_agent()._listener
+            listener = rpc.api._get_current_rpc_agent().links.listener
             addr_q.put((list(listener.tcp_address), listener.unix_address))
         assert done.wait(60), "the stranger did not finish"
         peer = f"worker{1 - rank}"
@@ -570,7 +570,7 @@ def test_tls_between_workers_end_to_end(tls_files):
                 for i in range(200)]
         assert all(f.wait()[0].item() == i + 1 for i, f in enumerate(futs))
         agent = rpc.api._get_current_rpc_agent()
-        conn = agent._peers[1 - rank].out
+        conn = agent.links.connection_to(1 - rank)
         return (torch.equal(out, big + 1), small, rpc.stats()["transports"],
                 isinstance(conn.sock, TlsSocket))
 
@@ -584,8 +584,8 @@ def test_tls_between_workers_end_to_end(tls_files):
 def test_listener_binds_the_chosen_interface_not_every_interface():
     def body(rank, world_size):
         agent = rpc.api._get_current_rpc_agent()
-        me = agent._peers[rank].record["tcp"][0]
-        return agent._listener.tcp_address[0], me, rpc.rpc_sync(f"worker{1 - rank}", _add,
+        me = agent.names.member(rank).record.tcp[0]
+        return agent.links.listener.tcp_address[0], me, rpc.rpc_sync(f"worker{1 - rank}", _add,
                                                                   args=(rank, 1))
 
     assert run_world(body, 2, timeout=60) == [("127.0.0.1", "127.0.0.1", 1),

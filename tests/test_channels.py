@@ -41,14 +41,14 @@ def held_buffers():
     """How many frames' tensors (or segment leases) this worker still keeps for its
     peers to read: what every channel lends until the peer's RELEASE."""
     agent = rpc.api._get_current_rpc_agent()
-    conns = list(agent._incoming) + [p.out for p in agent._peers.values() if p.out is not None]
+    conns = agent.links.all()
     return sum(c.channels.holding(c) for c in conns) + shm.stats()["leased"]
 
 
 def out_connection_channel(to):
     """The channel large buffers take on the connection to ``to``."""
     agent = rpc.api._get_current_rpc_agent()
-    conn = agent._peers[agent.get_worker_info(to).id].out
+    conn = agent.links.connection_to(agent.get_worker_info(to).id)
     return conn.channels.send_names()[0]
 
 
@@ -148,7 +148,7 @@ def test_transport_choice_and_large_transfer(transports, expected):
         value = _payloads()
         got = rpc.rpc_sync(other, echo, args=(value,))
         agent = rpc.api._get_current_rpc_agent()
-        conn = agent._peers[1 - rank].out
+        conn = agent.links.connection_to(1 - rank)
         return (conn.transport, conn.channels.sends("cma"), conn.channels.sends("shm"),
                 _equal(value, got))
 
@@ -172,7 +172,7 @@ def test_tcp_lanes_split_large_buffers(lanes):
         futs = [rpc.rpc_async(other, echo, args=(value,)) for _ in range(3)]
         ok = all(_equal(value, f.wait()) for f in futs)
         agent = rpc.api._get_current_rpc_agent()
-        return ok, len(agent._lanes_out), agent._peers[1 - rank].out.transport
+        return ok, len(agent.links.lanes_out), agent.links.connection_to(1 - rank).transport
 
     for ok, lanes_open, transport in run_world(body, 2, _transports=["tcp"],
                                                _tcp_lanes=lanes):
@@ -181,7 +181,7 @@ def test_tcp_lanes_split_large_buffers(lanes):
 
 
 def lanes_opened():
-    return len(rpc.api._get_current_rpc_agent()._lanes_out)
+    return len(rpc.api._get_current_rpc_agent().links.lanes_out)
 
 
 def agent_state():

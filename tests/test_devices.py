@@ -12,6 +12,7 @@ import torch
 import torchwire.rpc as rpc
 from _cluster import run_world
 from torchwire._base import devices as _devices
+from torchwire._base.worker_record import WorkerRecord
 
 cuda = torch.device("cuda", 0)
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -38,10 +39,9 @@ def test_options_normalize_and_merge_device_maps():
 
 
 def _records(maps0=None, devices0=(), count0=2, count1=1):
-    return [{"name": "a", "rank": 0, "device_count": count0, "devices": list(devices0),
-             "device_maps": maps0 or {}},
-            {"name": "b", "rank": 1, "device_count": count1, "devices": [],
-             "device_maps": {}}]
+    return [WorkerRecord("a", 0, "h", ("127.0.0.1", 1), device_count=count0,
+                         devices=tuple(devices0), device_maps=maps0 or {}),
+            WorkerRecord("b", 1, "h", ("127.0.0.1", 2), device_count=count1)]
 
 
 @pytest.mark.parametrize("records,message", [

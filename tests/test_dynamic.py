@@ -21,7 +21,7 @@ import torchwire.rpc as rpc
 from _cluster import die, new_init_method, run_world, wait_until
 from torchwire._bootstrap.membership import read_members
 from torchwire._bootstrap.rendezvous import PREFIX
-from torchwire._wire.listener import host_identity, listener_alive
+from torchwire._wire.listener import listener_alive
 
 _ctx = mp.get_context("fork")
 WAIT = 30  # seconds any child waits for an event before failing
@@ -211,7 +211,7 @@ def test_a_member_that_died_is_dropped_when_a_newcomer_finds_it(takes_its_place)
         assert died.wait(WAIT)
         record = read_members(_store(init_method))[1]
         # a dead process refuses connections: wait until its listener is closed
-        assert wait_until(lambda: not listener_alive(record, host_identity()), WAIT)
+        assert wait_until(lambda: not listener_alive(record["tcp"], record["unix"]), WAIT)
         _join(new, int(new[-1]), init_method)
         names = _names()
         joined.set()

@@ -24,6 +24,7 @@ import torchwire.rpc as rpc
 from _cluster import _world_child, new_init_method, options, wait_until
 from torchwire._wire import frame as F
 from torchwire._wire.auth import JobAuth, client_handshake
+from torchwire._wire.listener import listener_alive
 
 _ctx = mp.get_context("fork")
 
@@ -304,7 +305,9 @@ def test_worker_killed_before_anyone_connected_to_it_is_reported_at_once():
 
 
 def _probe_alive(rank):
-    return rpc.api._get_current_rpc_agent()._probe(rank)
+    agent = rpc.api._get_current_rpc_agent()
+    record = agent.names.member(rank).record
+    return listener_alive(record.tcp, record.unix)
 
 
 # ---------------------------------------------------------------- frozen worker (SIGSTOP)
@@ -379,7 +382,7 @@ def test_heartbeat_does_not_disturb_a_busy_or_idle_healthy_job():
             assert rpc.rpc_sync("worker1", nap, args=(3.0,)) == 3.0
             time.sleep(1.5)
             assert rpc.rpc_sync("worker1", add, args=(1, 1)) == 2
-        down = rpc.api._get_current_rpc_agent()._health.down()
+        down = rpc.api._get_current_rpc_agent().health.down()
         rpc.shutdown()
         return down
 
@@ -441,8 +444,8 @@ def test_garbage_after_the_handshake_drops_that_connection_and_the_worker_keeps_
                                                  max_message_size=1 << 30))
         agent = rpc.api._get_current_rpc_agent()
         if rank == 0:
-            addr_q.put(tuple(agent._listener.tcp_address))
-            addr_q.put(agent._job._key)
+            addr_q.put(tuple(agent.links.listener.tcp_address))
+            addr_q.put(agent.links.job._key)
         assert done.wait(30)
         # the worker serves everyone, the impersonated rank 1 included
         peer = f"worker{1 - rank}"

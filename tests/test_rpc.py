@@ -224,7 +224,7 @@ def body_unpicklable_args():
 
 def _received_requests():
     from torchwire.rpc.api import _get_current_rpc_agent
-    return _get_current_rpc_agent()._received
+    return _get_current_rpc_agent().counters.received
 
 
 def test_unpicklable_arguments_fail_before_sending(world):
@@ -657,7 +657,7 @@ def release(key, value):
 def pool_threads():
     """Pool threads, and how many connections this worker reads (a reader may be one)."""
     agent = rpc.api._get_current_rpc_agent()
-    connections = len(agent._incoming) + sum(p.out is not None for p in agent._peers.values())
+    connections = len(agent.links.all())
     return sum(t.name.startswith("torchwire-worker") for t in threading.enumerate()), connections
 
 

@@ -94,7 +94,7 @@ def grew(before, after):
 
 def connections():
     agent = rpc.api._get_current_rpc_agent()
-    return list(agent._incoming) + [p.out for p in agent._peers.values() if p.out is not None]
+    return agent.links.all()
 
 
 def settled(peer) -> bool:
@@ -212,7 +212,7 @@ def fork_and_drop(key):
     done = os.pipe()
     pid = os.fork()
     if pid == 0:
-        conn = next(iter(rpc.api._get_current_rpc_agent()._incoming))
+        conn = next(iter(rpc.api._get_current_rpc_agent().links.incoming))
         sent, mapped = conn.frames_out, shm.stats()["mappings"]
         del _held[key]
         gc.collect()

@@ -33,7 +33,7 @@ import logging
 import threading
 import time
 
-from .._base.errors import AuthenticationError, ConnectError, WorkerUnavailableError
+from .._base.errors import AuthenticationError, ConnectError, RpcStateError, WorkerUnavailableError
 from .._wire import frame as F
 
 log = logging.getLogger("torchwire")
@@ -97,7 +97,7 @@ class PeerHealth:
         """
         why = self._down.get(rank)
         if why is not None:
-            raise self._agent._unavailable(rank, why)
+            raise self._agent.unavailable(rank, why)
 
     def mark_down(self, rank: int, why: str, dead: bool = False) -> bool:
         """Remember ``rank`` as down (``dead``: for good); True if it was up."""
@@ -117,7 +117,7 @@ class PeerHealth:
             if rank in self._dead or self._down.pop(rank, None) is None:
                 return
         log.warning("torchwire: %s reaches %s again", self._agent.name,
-                    self._agent._name_of(rank))
+                    self._agent.name_of(rank))
 
     def forget(self, rank: int) -> None:
         """``rank`` left a dynamic group, or a new member took it: start afresh."""
@@ -155,7 +155,7 @@ class PeerHealth:
     def _beat(self) -> None:
         agent = self._agent
         now = time.monotonic()
-        conns = agent._open_connections()
+        conns = agent.open_connections()
         seen = {}
         for c in conns:
             if c.closed:
@@ -168,14 +168,14 @@ class PeerHealth:
             seen[c] = old
             silent = now - old[1]
             if silent >= self.timeout:
-                agent._peer_lost(c.peer_rank, f"no heartbeat for {silent:.1f} s (heartbeat_"
+                agent.peer_lost(c.peer_rank, f"no heartbeat for {silent:.1f} s (heartbeat_"
                                  f"timeout={self.timeout:g} s): frozen or unreachable")
             elif silent >= self.interval * 0.9 and c not in self._pinging:
                 self._pinging.add(c)
                 try:
                     # on the pool: a write to a frozen peer may block its writer
-                    agent._pool.submit(self._ping, c)
-                except RuntimeError:
+                    agent.defer(self._ping, c)
+                except RpcStateError:
                     self._pinging.discard(c)
         self._seen = seen
 
@@ -198,7 +198,7 @@ class PeerHealth:
     def _reconnect(self, rank: int) -> None:
         agent = self._agent
         try:
-            agent._reconnect(rank)
+            agent.reconnect(rank)
         except WorkerUnavailableError as exc:
             why, dead = self.connect_failed(rank, exc)
             if dead:

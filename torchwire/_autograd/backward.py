@@ -54,7 +54,7 @@ log = logging.getLogger(__name__)
 
 def _failure(rank: int, exc: BaseException, tb: str | None = None, agent=None) -> tuple:
     agent = agent if agent is not None else container().agent
-    name = agent._name_of(rank)
+    name = agent.name_of(rank)
     return (rank, name, f"{type(exc).__module__}.{type(exc).__qualname__}", str(exc),
             tb if tb is not None else "".join(traceback.format_exception(exc)))
 
@@ -131,7 +131,7 @@ class _Pass:
                     w = held.get(dest, 0) + weight
                     if w:
                         held[dest] = w
-                        if w > 0 and lost is None and agent._health.is_down(dest):
+                        if w > 0 and lost is None and agent.health.is_down(dest):
                             lost = dest  # reported after that worker was lost here
                     else:
                         del held[dest]
@@ -141,7 +141,7 @@ class _Pass:
             if self.failure is not None or not self.held:
                 self.done.set()
         if lost is not None:
-            self.lost(lost, lambda: _failure(lost, agent._unavailable(lost, "it is gone"), "",
+            self.lost(lost, lambda: _failure(lost, agent.unavailable(lost, "it is gone"), "",
                                              agent))
 
     def lost(self, rank: int, failure) -> None:
@@ -417,7 +417,7 @@ def _wait_loop(c, rec: _Pass, timeout: float) -> None:
             if rec.done.is_set() or rec.progress + timeout > time.monotonic():
                 continue
             held = sorted(r for r, w in rec.held.items() if w > 0)
-        names = ", ".join(c.agent._name_of(r) for r in held) or "?"
+        names = ", ".join(c.agent.name_of(r) for r in held) or "?"
         raise RpcTimeoutError(
             f"the distributed backward pass made no progress for {int(timeout * 1000)} ms "
             f"(the RPC timeout); waiting on {names}")

@@ -61,26 +61,27 @@ def _valid(d: torch.device, count: int) -> bool:
     return d.type == "cpu" or (d.type == "cuda" and 0 <= (d.index or 0) < count)
 
 
-def check_all(records: list[dict], dynamic: bool = False) -> None:
+def check_all(records: list, dynamic: bool = False) -> None:
     """Check every worker's device maps and devices against every device count.
 
-    ``dynamic``: the group's membership changes (``_membership.py``), so a map may
-    name a worker that has not joined yet; such a target is checked when it joins.
+    ``records``: every worker's ``WorkerRecord``.  ``dynamic``: the group's membership
+    changes, so a map may name a worker that has not joined yet; such a target is
+    checked when it joins.
 
     Raises:
         ValueError: a bad name, a duplicated or out-of-range device (torch's phrases).
     """
-    names = {r["name"] for r in records}
-    counts = {r["name"]: r.get("device_count", 0) for r in records}
+    names = {r.name for r in records}
+    counts = {r.name: r.device_count for r in records}
     for r in records:
-        node = r["name"]
-        devices = [torch.device(d) for d in r.get("devices", [])]
+        node = r.name
+        devices = [torch.device(d) for d in r.devices]
         if len(set(devices)) != len(devices):
             raise ValueError(f"Node {node} has duplicated devices\ndevices = {devices}")
         if not all(_valid(d, counts[node]) for d in devices):
             raise ValueError(f"Node {node} has devices with invalid indices\n"
                              f"devices = {devices}\ndevice count = {counts[node]}")
-        maps = r.get("device_maps", {})
+        maps = r.device_maps
         unknown = sorted(set(maps) - names)
         if unknown and dynamic:
             maps = {target: m for target, m in maps.items() if target in names}
@@ -108,16 +109,15 @@ def check_all(records: list[dict], dynamic: bool = False) -> None:
 class Router:
     """Where a tensor on ``device`` goes when sent to rank ``dest``."""
 
-    def __init__(self, my_name: str, records: list[dict]) -> None:
-        by_rank = {r["rank"]: r for r in records}
+    def __init__(self, my_name: str, records: list) -> None:
         self._out: dict[int, dict] = {}  # dest rank -> my map to it (requests)
         self._back: dict[int, dict] = {}  # dest rank -> inverse of its map to me (replies)
-        mine = by_rank_name(records, my_name).get("device_maps", {})
-        for rank, r in by_rank.items():
-            m = mine.get(r["name"], {})
-            self._out[rank] = {torch.device(k): torch.device(v) for k, v in m.items()}
-            theirs = r.get("device_maps", {}).get(my_name, {})
-            self._back[rank] = {torch.device(v): torch.device(k) for k, v in theirs.items()}
+        mine = next((r.device_maps for r in records if r.name == my_name), {})
+        for r in records:
+            m = mine.get(r.name, {})
+            self._out[r.rank] = {torch.device(k): torch.device(v) for k, v in m.items()}
+            theirs = r.device_maps.get(my_name, {})
+            self._back[r.rank] = {torch.device(v): torch.device(k) for k, v in theirs.items()}
 
     def __bool__(self) -> bool:
         return any(self._out.values()) or any(self._back.values())
@@ -125,10 +125,3 @@ class Router:
     def target(self, dest: int, request: bool, device: torch.device) -> torch.device | None:
         table = (self._out if request else self._back).get(dest, {})
         return table.get(device)
-
-
-def by_rank_name(records: list[dict], name: str) -> dict:
-    for r in records:
-        if r["name"] == name:
-            return r
-    return {}

@@ -58,6 +58,7 @@ from .._base import devices as _devices
 from .._agent.runtime import current
 from .._base.errors import RendezvousError, RpcStateError, RpcTimeoutError, WorkerUnavailableError
 from .rendezvous import claim_group_kind, security_disagreement
+from .._base.worker_record import WorkerRecord
 from .._wire.listener import host_identity, listener_alive
 
 log = logging.getLogger("torchwire")
@@ -107,7 +108,7 @@ class StoreLock:
             if now >= next_probe:
                 holder = _holder(found)
                 probe = max(0.05, min(2.0, deadline - now))  # never far past the deadline
-                if holder is not None and not listener_alive(holder, self._host, probe):
+                if holder is not None and not _alive(holder, self._host, probe):
                     if self._swap(found, "taking over") == found:
                         self.held = True
                         log.warning("torchwire: took over the group's membership lock from "
@@ -146,6 +147,12 @@ class StoreLock:
             self._store.compare_set(LOCK, self._mine, "")
         except Exception as exc:  # the store is gone: so is the lock
             log.debug("torchwire: releasing the membership lock failed: %s", exc)
+
+
+def _alive(rec: dict, my_host: str, timeout: float = 2.0) -> bool:
+    """Is the listener of the worker a store entry (a member, a lock holder) names there?"""
+    unix = rec.get("unix") if rec.get("host") == my_host else None
+    return listener_alive(rec["tcp"], unix, timeout)
 
 
 def _holder(value: str) -> dict | None:
@@ -194,7 +201,8 @@ def join(store, record: dict, deadline: float, budget: float, hosts_store: bool)
         problem = security_disagreement(list(members.values()) + [record])
         if problem:
             raise RendezvousError(problem + " (this worker was not let into the group)")
-        _devices.check_all(list(members.values()) + [record], dynamic=True)
+        _devices.check_all([WorkerRecord.from_json(r) for r in members.values()]
+                           + [WorkerRecord.from_json(record)], dynamic=True)
         members[record["rank"]] = record
         try:
             _write_members(store, members)
@@ -216,7 +224,7 @@ def _drop_dead_holders(members: dict[int, dict], record: dict) -> None:
     for rank, rec in sorted(members.items()):
         if rank != record["rank"] and rec["name"] != record["name"]:
             continue
-        if listener_alive(rec, me):
+        if _alive(rec, me):
             if rank == record["rank"]:
                 raise RendezvousError(
                     f"rank {rank} is already taken by worker {rec['name']!r} of this dynamic "
@@ -241,7 +249,7 @@ class Membership:
         self._lock = lock
         self.record = record
         self.rank = record["rank"]
-        self.records = [rec for _rank, rec in sorted(members.items())]
+        self.records = [WorkerRecord.from_json(rec) for _rank, rec in sorted(members.items())]
         self.job = job
         self._budget = budget
         self._hosts_store = hosts_store
@@ -337,6 +345,7 @@ class Membership:
             return peer
         if record is None:  # not (or no longer) in the table; known here: it is leaving
             return peer
+        record = WorkerRecord.from_json(record)
         if peer is not None and peer.record == record:
             return peer
         return self.agent.add_member(record)
@@ -418,7 +427,7 @@ class Membership:
             if now >= next_probe:
                 probe = max(0.05, min(2.0, deadline - now))
                 dead.update(r for r, rec in others.items()
-                            if not listener_alive(rec, me, probe))
+                            if not _alive(rec, me, probe))
                 next_probe = time.monotonic() + _PROBE_PERIOD
                 continue
             if now >= deadline:
@@ -448,7 +457,7 @@ def _local() -> Membership:
 
 def _member_joined(record: dict) -> None:
     """Runs on every member when ``record``'s worker joins (step 4 of a join)."""
-    _local().agent.add_member(record)
+    _local().agent.add_member(WorkerRecord.from_json(record))
 
 
 def _member_left(rank: int, notice: float | None, why: str = _LEFT) -> None:

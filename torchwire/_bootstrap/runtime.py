@@ -32,6 +32,7 @@ from .._autograd.backward import AutogradContainer
 from .._base import devices
 from .._base.errors import RendezvousError, RpcStateError, RRefError, not_initialized
 from .._base.options import channel_allowed
+from .._base.worker_record import WorkerRecord
 from .._rref import RRefContext
 from .._wire.channels.link import local_offer
 from .._wire.auth import JobAuth
@@ -71,8 +72,9 @@ def start(name: str, rank: int, world_size: int | None, options) -> Runtime:
                                               hosts_store(options.init_method, rank))
                 records, job = membership.records, membership.job
             else:
-                records, job = join(store, rank, world_size, record,
-                                   max(0.001, deadline - time.monotonic()))
+                found, job = join(store, rank, world_size, record,
+                                  max(0.001, deadline - time.monotonic()))
+                records = [WorkerRecord.from_json(r) for r in found]
                 devices.check_all(records)  # the same data on every worker: the same error
             router = devices.Router(name, records)
             ser.hooks.set_device_router(router.target if router else None)

@@ -181,17 +181,18 @@ def _connect_error(exc: OSError) -> ConnectError:
     return ConnectError(str(exc), refused=isinstance(exc, ConnectionRefusedError))
 
 
-def listener_alive(record: dict, my_host: str, timeout: float = 2.0) -> bool:
-    """Is the listener a rendezvous record names still there?
+def listener_alive(tcp, unix: str | None = None, timeout: float = 2.0) -> bool:
+    """Is a worker's listener still there?  ``tcp``: its ``(address, port)``; ``unix``:
+    its Unix socket, tried instead when the worker is on this host.
 
     A closed listener refuses connections: its process is gone.  One that cannot be
     told within ``timeout`` (an unreachable host) counts as alive: no proof of death.
     """
     try:
-        if record.get("host") == my_host and record.get("unix"):
-            sock = connect_unix(record["unix"], timeout)
+        if unix:
+            sock = connect_unix(unix, timeout)
         else:
-            sock = connect_tcp(record["tcp"], timeout)
+            sock = connect_tcp(tcp, timeout)
     except ConnectError as exc:
         return isinstance(exc.__cause__, socket.timeout)  # no answer: no proof of death
     sock.close()

@@ -17,8 +17,6 @@ Preference when sending: lanes, shm, cma (each from its own ``min_size``).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-
 from ..._base.errors import ProtocolError
 from .. import frame as F
 from . import NEVER, RELEASE_CHANNEL, REGISTRY, Channel
@@ -82,26 +80,25 @@ class ChannelSet:
         self._release = {ch.release_flag: ch for ch in self.all if ch.release_flag is not None}
 
     @classmethod
-    def for_link(cls, transport: str, *, same_host: bool, peer: Mapping, cma: bool, shm: bool,
-                 lanes: LaneRegistry | None, open_lane=None,
-                 threshold: int | None = None) -> ChannelSet:
+    def for_link(cls, transport: str, *, same_host: bool, peer_cma: dict | None,
+                 peer_shm: bool, cma: bool, shm: bool, lanes: LaneRegistry | None,
+                 open_lane=None, threshold: int | None = None) -> ChannelSet:
         """The channels of a new connection.
 
         Args:
             transport: ``"unix"`` or ``"tcp"``.
             same_host: the peer shares this kernel and network namespace.
-            peer: what the peer published (:func:`local_offer`'s keys).
+            peer_cma, peer_shm: what the peer published (:func:`local_offer`).
             cma, shm: this worker allows the channel.
             lanes, open_lane, threshold: as for the constructor; ``open_lane`` counts
                 on TCP only.
         """
         local = transport == "unix" and same_host
         cma_pid = None
-        if local and cma:
-            record = peer.get("cma")
-            cma_pid = record["pid"] if _cma.can_read(record) else None
+        if local and cma and _cma.can_read(peer_cma):
+            cma_pid = peer_cma["pid"]
         shm_recv = local and shm and segments.available()
-        return cls(cma_pid=cma_pid, shm_recv=shm_recv, shm_send=shm_recv and bool(peer.get("shm")),
+        return cls(cma_pid=cma_pid, shm_recv=shm_recv, shm_send=shm_recv and bool(peer_shm),
                    lanes=lanes, open_lane=open_lane if transport == "tcp" else None,
                    threshold=threshold)
 

@@ -1,0 +1,171 @@
+"""Calls sent and waiting for their replies: request id -> :class:`PendingCall`.
+
+**Whoever pops an entry owns it.**  A call ends exactly once, by whichever of these
+pops its entry from the table first: the reader with its reply, the timer at its
+deadline, the loss of its peer or connection, shutdown.  Only the popper completes
+the call's future; everyone else finds nothing and does nothing (a reply that comes
+after the deadline is dropped quietly).
+
+One call::
+
+    (not in the table) --add: stored, then its deadline armed--> PENDING
+    PENDING --reply popped it-->        DONE (value, or the remote error)
+    PENDING --timer popped it-->        DONE (RpcTimeoutError)
+    PENDING --fail popped it-->         DONE (WorkerUnavailableError, RpcStateError)
+
+The entry is stored before its deadline is armed, so a deadline that passes at once
+finds it (armed first, the timer could fire in between and lose the call).  A reply
+is decoded while its call still counts as pending, so what unpickling starts (RRef
+fork messages) is visible to shutdown's termination detection before the count
+drops; it is popped only then.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+
+from .. import _serialization as ser
+from .._base.errors import ProtocolError, RpcTimeoutError, SerializationError
+from .._wire import frame as F
+from .timer import DeadlineTimer
+
+
+class PendingCall:
+    """One call waiting for its reply."""
+
+    __slots__ = ("future", "tick", "peer", "conn", "timeout", "func", "pin")
+
+    def __init__(self, future, peer: int, conn, timeout: float, func, pin) -> None:
+        self.future = future  # a Future, or a SyncReply for a caller that waits at once
+        self.tick = None  # the timer bucket of its deadline (None: no deadline)
+        self.peer = peer  # the rank it went to
+        self.conn = conn  # the connection it went on
+        self.timeout = timeout  # seconds, for the timeout's message
+        self.func = func  # what it calls, for the timeout's message
+        self.pin = pin  # kept alive until the call ends (what pickling pinned, RRefs)
+
+    def __repr__(self) -> str:
+        return f"<PendingCall to rank {self.peer}: {func_name(self.func)}>"
+
+
+class PendingCalls:
+    """The table of calls waiting for replies, and the timer of their deadlines.
+
+    Args:
+        name_of: ``name_of(rank)``, a worker's name for error messages.
+    """
+
+    def __init__(self, name_of) -> None:
+        self._name_of = name_of
+        self._table: dict[int, PendingCall] = {}
+        self._rids = itertools.count(1)
+        self._timer = DeadlineTimer(self._expire)
+        self._idle = threading.Condition(threading.Lock())
+        self._draining = False  # someone waits for the table to empty (wait_idle)
+
+    def __repr__(self) -> str:
+        return f"<PendingCalls {len(self._table)} pending>"
+
+    def __len__(self) -> int:
+        return len(self._table)
+
+    def add(self, future, peer: int, conn, timeout: float, func, pin) -> int:
+        """Store a call (before it is sent); returns its request id."""
+        rid = next(self._rids)
+        call = PendingCall(future, peer, conn, timeout, func, pin)
+        self._table[rid] = call
+        if timeout > 0:
+            call.tick = self._timer.add(rid, time.monotonic() + timeout)
+        return rid
+
+    def fail(self, rid: int, exc: BaseException) -> None:
+        """End call ``rid`` with ``exc``, if it is still pending."""
+        call = self._table.pop(rid, None)
+        if call is None:
+            return
+        if call.tick is not None:
+            self._timer.cancel(rid, call.tick)
+        call.future.set_exception(exc)
+        self._note_idle()
+
+    def fail_where(self, exc: BaseException, peer: int | None = None, conn=None) -> None:
+        """End with ``exc`` every pending call to ``peer``, or sent on ``conn``, or (both
+        None) every pending call."""
+        for rid, call in list(self._table.items()):
+            if (peer is None or call.peer == peer) and (conn is None or call.conn is conn):
+                self.fail(rid, exc)
+
+    def to_peer(self, peer: int) -> bool:
+        """Whether some call to ``peer`` is pending."""
+        return any(call.peer == peer for call in list(self._table.values()))
+
+    def complete(self, rid: int, flags: int, payload, tensors) -> None:
+        """Reader thread: the reply of call ``rid`` (dropped if the call is over)."""
+        call = self._table.get(rid)
+        if call is None:
+            return  # reply to a call that already timed out: dropped quietly
+        if flags & F.F_ERROR:
+            value, error = None, ser.loads_exception(payload)
+        elif flags & F.F_PLAIN:
+            try:
+                value, error = ser.plain_value(payload, tensors), None
+            except ProtocolError as exc:
+                value, error = None, SerializationError(
+                    f"cannot decode the reply from {self._name_of(call.peer)}: {exc}")
+        else:
+            try:
+                value, error = ser.loads(payload, tensors), None
+            except SerializationError as exc:
+                value, error = None, SerializationError(
+                    f"cannot decode the reply from {self._name_of(call.peer)}: {exc}")
+        if self._table.pop(rid, None) is None:
+            return  # timed out while decoding
+        if call.tick is not None:
+            self._timer.cancel(rid, call.tick)
+        if error is not None:
+            call.future.set_exception(error)
+        else:
+            call.future.set_result(value)
+        if self._draining:
+            self._note_idle()
+
+    def wait_idle(self, deadline: float) -> bool:
+        """Wait until no call is pending; False if ``deadline`` passed first."""
+        with self._idle:
+            self._draining = True
+            while self._table:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._idle.wait(min(left, 0.1))
+        return True
+
+    def stop(self) -> None:
+        """Stop the timer (the agent is closed; fail what is left with ``fail_where``)."""
+        self._timer.stop()
+
+    def _note_idle(self) -> None:
+        if self._draining and not self._table:
+            with self._idle:
+                self._idle.notify_all()
+
+    def _expire(self, rids) -> None:
+        """Timer thread: these calls' deadlines passed."""
+        for rid in rids:
+            call = self._table.pop(rid, None)
+            if call is None:
+                continue
+            call.future.set_exception(RpcTimeoutError(
+                f"RPC ran for more than set timeout ({int(call.timeout * 1000)} ms) and will "
+                f"now be marked with an error (call to {self._name_of(call.peer)}: "
+                f"{func_name(call.func)})"))
+        self._note_idle()
+
+
+def func_name(func) -> str:
+    """``module.qualname`` of a called function, for messages."""
+    mod = getattr(func, "__module__", None)
+    qual = getattr(func, "__qualname__", None) or getattr(func, "__name__", None) or repr(func)
+    return f"{mod}.{qual}" if mod else str(qual)

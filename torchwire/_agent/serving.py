@@ -1,0 +1,275 @@
+"""Serving: what the agent does with the frames its readers decode.
+
+Replies complete their pending calls (``pending.py``).  Requests run their
+function and send its reply on the connection they came in on:
+
+* a lone request, or a few (``_INLINE_MAX``), that end what the reader has read run
+  on the reader's own thread (``inline.py``); a larger batch goes to the pool in one
+  hand-off;
+* a PLAIN request is either a call (decoded by the plain codec) or an internal
+  one-way message, handed to the handler its kind's layer registered;
+* a request whose arguments hold an RRef fork its owner has not confirmed yet runs
+  once it is (no thread waits meanwhile);
+* an ``@async_execution`` function, or a torchwire-internal one that returns a
+  ``Deferred``, replies when its future completes; completed on an I/O thread, a
+  small plain value is written from there (``send_nowait``), anything else on the
+  pool.
+
+A one-way request (request id 0) gets no reply; its failure is logged here.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import traceback
+
+import torch
+
+from .. import _serialization as ser
+from .._base import threads as _threads
+from .._base.asyncexec import ASYNC_ATTR, check_future
+from .._base.errors import LinkError, ProtocolError, RemoteCallError, SerializationError
+from .._wire import frame as F
+from .future import Deferred
+from .inline import InlineScheduler
+
+log = logging.getLogger("torchwire")
+
+_INLINE_MAX = 4  # a reader runs a batch of at most this many requests itself
+_PLAIN_TYPES = frozenset((type(None), bool, int, float, str, bytes))
+_NOWAIT_MAX = 16 << 10  # bytes of reply payload an I/O thread may write itself
+
+_K_RESPONSE, _K_REQUEST, _K_GOODBYE = F.K_RESPONSE, F.K_REQUEST, F.K_GOODBYE
+_F_PLAIN = F.F_PLAIN
+
+
+class Server:
+    """Runs the requests that arrive for one agent and sends their replies.
+
+    Args:
+        agent: the :class:`~torchwire._agent.agent.RpcAgent` (its pending calls, pool,
+            counters, links).
+    """
+
+    def __init__(self, agent) -> None:
+        self._agent = agent
+        self._pending = agent.pending
+        self._pool = agent.pool
+        self._counters = agent.counters
+        self._desc = repr(agent.info)
+        self.inline = InlineScheduler(agent.pool.submit, agent.links.spawn_reader)
+
+    def __repr__(self) -> str:
+        return f"<Server of {self._desc} {self.inline!r}>"
+
+    def on_frames(self, conn, frames, at_rest: bool = False) -> bool:
+        """Reader thread: dispatch a batch of decoded frames.
+
+        When the batch ends what the reader has read (``at_rest``) and holds a few
+        requests (``_INLINE_MAX``; a ``remote()`` followed by ``to_here()`` typically
+        arrives as two), the reader runs them itself, in order (``inline.py``).
+
+        Returns:
+            True if the reading was handed to another thread meanwhile: the reader
+            must stop.
+        """
+        work = []
+        for kind, flags, rid, payload, tensors in frames:
+            if kind == _K_RESPONSE:
+                self._pending.complete(rid, flags, payload, tensors)
+            elif kind == _K_REQUEST:
+                work.append((self.serve_plain if flags & _F_PLAIN else self.serve,
+                             (conn, rid, payload, tensors)))
+            elif kind != _K_GOODBYE:
+                raise ProtocolError(f"unexpected frame kind {kind} on an established "
+                                    "connection")
+        if work:
+            c = self._counters
+            with c.lock:  # (Counters.count_received, inlined: every request's path)
+                c.received += len(work)
+                c.recv_from[conn.peer_rank] += len(work)
+            if at_rest and len(work) <= _INLINE_MAX:
+                # The requests own their payloads and tensors now: nothing else may keep
+                # a received tensor (its buffer, its mapping) alive while they run.
+                frames.clear()
+                del payload, tensors
+                return self.inline.run(conn, work)
+            self._pool.submit_many(work)
+        return False
+
+    # ------------------------------------------------------------------ requests
+
+    def serve(self, conn, rid: int, payload, tensors) -> None:
+        """Decode one pickled request, run it and reply."""
+        gates: list = []
+        try:
+            func, args, kwargs = ser.loads(payload, tensors, gates=gates)
+        except Exception as exc:
+            self.reply_error(conn, rid, exc, "")
+            return
+        del payload, tensors
+        if gates:
+            # Something in the arguments is not ready yet (an RRef fork the owner has
+            # not confirmed): run the function once it is, without holding this thread.
+            torch.futures.collect_all(gates).add_done_callback(
+                lambda _f: self._pool.submit(self.run, conn, rid, func, args, kwargs))
+            return
+        self.run(conn, rid, func, args, kwargs)
+
+    def serve_plain(self, conn, rid: int, payload, tensors) -> None:
+        """A PLAIN request: a call (``ser.plain_call``), run and replied as any; or an
+        internal one-way message, to its handler on this thread (a failure can only be
+        logged: the handlers report their own errors to whoever waits)."""
+        if rid != 0:  # a call
+            try:
+                if not payload or payload[0] != ser.PlainKind.CALL:
+                    raise ProtocolError("malformed plain request")
+                func, args, kwargs = ser.plain_call_decode(payload, tensors)
+            except Exception as exc:
+                self.reply_error(conn, rid, exc, "")
+                return
+            del payload, tensors
+            self.run(conn, rid, func, args, kwargs)
+            return
+        try:
+            if not payload:
+                raise ProtocolError("empty internal message")
+            handler = ser.hooks.plain_handler(payload[0])
+            if handler is None:
+                raise ProtocolError(f"unknown internal message kind {payload[0]}")
+            handler(conn.peer_rank, payload, tensors)
+        except Exception:
+            log.exception("torchwire: internal message from %s failed",
+                          self._agent.name_of(conn.peer_rank))
+
+    def run(self, conn, rid: int, func, args, kwargs) -> None:
+        """Run a decoded request and reply (now, or when its future completes)."""
+        try:
+            if getattr(func, ASYNC_ATTR, None) is not None:
+                fut = func(*(args or ()), **(kwargs or {}))
+                check_future(func, fut)
+                fut.add_done_callback(lambda f: self.reply_future(conn, rid, f))
+                return
+            result = func(*(args or ()), **(kwargs or {}))
+            if type(result) is Deferred:  # torchwire-internal functions (RRefs)
+                torch._C.Future.add_done_callback(
+                    result.future, lambda f: self.reply_future(conn, rid, f))
+                return
+        except Exception as exc:
+            tb = traceback.format_exc()
+            # As torch, the callee reports a failing function on its stderr too, not
+            # only through the caller's exception.
+            print(f"On {self._desc}:\n{exc!r}\n{tb}", file=sys.stderr)
+            if isinstance(exc, TypeError) and _is_torch_op(func):
+                exc = RemoteCallError("Overloaded torch operator invoked from Python failed "
+                                      f"to match any schema: {exc}")
+            self.reply_error(conn, rid, exc, tb)
+            return
+        # Release the arguments before replying: an RRef among them sends its
+        # deletion before the caller learns the call is over.
+        del func, args, kwargs
+        self.reply_value(conn, rid, result)
+
+    # ------------------------------------------------------------------ replies
+
+    def reply_future(self, conn, rid: int, fut) -> None:
+        """Reply with what ``fut`` holds (it is done)."""
+        if _threads.in_io_thread():
+            # A reader completed the future (the reply to a nested call arrived): a
+            # small plain value is sent from here without waking a pool thread.
+            if not self._reply_nowait(conn, rid, fut):
+                self._pool.submit(self.reply_future, conn, rid, fut)
+            return
+        try:
+            value = fut.wait()
+        except Exception as exc:
+            self.reply_error(conn, rid, exc, traceback.format_exc())
+            return
+        self.reply_value(conn, rid, value)
+
+    def _reply_nowait(self, conn, rid: int, fut) -> bool:
+        """I/O thread: reply with ``fut``'s value if it is small and plain (no user
+        code runs to pickle it, no tensors) and the link can write without blocking
+        (``Connection.send_nowait``); False to leave the reply to the pool."""
+        send = getattr(conn, "send_nowait", None)
+        if send is None or rid == 0:
+            return False
+        try:
+            value = fut.value()
+        except Exception:
+            return False  # errors: the pool formats them
+        if not _plain_value(value, 0):
+            return False
+        try:
+            payload, _, _ = ser.dumps_to(value, conn.peer_rank, False)
+        except SerializationError:
+            return False
+        if len(payload) > _NOWAIT_MAX:
+            return False
+        counters = self._counters
+        counters.count_reply(1)
+        if not send(F.pack_header(F.K_RESPONSE, 0, rid, len(payload), 0) + payload):
+            counters.count_reply(-1)
+            return False
+        counters.count_reply_in_place()
+        return True
+
+    def reply_value(self, conn, rid: int, value) -> None:
+        """Send ``value`` as the reply to request ``rid`` (nothing for a one-way one)."""
+        if rid == 0:
+            return
+        flags, sent = _F_PLAIN, None
+        try:
+            plain = ser.plain_reply(value)
+            if plain is None:
+                flags = 0
+                payload, tensors, sent = ser.dumps_to(value, conn.peer_rank, False)
+            else:
+                payload, tensors = plain
+        except SerializationError as exc:
+            self.reply_error(conn, rid, SerializationError(
+                f"the return value could not be serialized: {exc}"), "")
+            return
+        c = self._counters
+        with c.lock:  # before the write: the caller may go on before it returns
+            c.replies += 1
+        try:
+            conn.send_frame(_K_RESPONSE, flags, rid, payload, tensors)
+        except LinkError:
+            c.count_reply(-1)
+            if sent is not None:
+                sent.abort()
+            log.debug("torchwire: reply %d to rank %s dropped: connection closed", rid,
+                      conn.peer_rank)
+
+    def reply_error(self, conn, rid: int, exc: BaseException, tb: str) -> None:
+        """Send ``exc`` as the reply to request ``rid`` (logged for a one-way one)."""
+        if rid == 0:
+            log.warning("torchwire: one-way request from rank %s failed on %s: %s: %s\n%s",
+                        conn.peer_rank, self._agent.name, type(exc).__name__, exc, tb)
+            return
+        payload = ser.dumps_exception(exc, self._desc, tb)
+        self._counters.count_reply(1)
+        try:
+            conn.send_frame(_K_RESPONSE, F.F_ERROR, rid, payload)
+        except LinkError:
+            self._counters.count_reply(-1)
+            log.debug("torchwire: error reply %d dropped: connection closed", rid)
+
+
+def _plain_value(value, depth: int) -> bool:
+    """None, numbers, strings and bytes, and small tuples and lists of them."""
+    t = type(value)
+    if t in _PLAIN_TYPES:
+        return True
+    if (t is tuple or t is list) and depth < 2 and len(value) <= 16:
+        return all(_plain_value(v, depth + 1) for v in value)
+    return False
+
+
+def _is_torch_op(func) -> bool:
+    """A builtin torch operator (``torch.add``), whose bad arguments torch reports as a
+    RuntimeError ("failed to match any schema") rather than TypeError."""
+    return type(func).__name__ == "builtin_function_or_method" and \
+        getattr(func, "__module__", None) == "torch"
