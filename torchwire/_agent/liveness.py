@@ -4,7 +4,7 @@ The agent reports every sign of a lost peer here (a connection that ended
 without a GOODBYE, a connection that could not be made, a heartbeat that went
 silent); :class:`PeerHealth` remembers the peer as *down*, so new calls to it
 fail at once instead of each one trying to connect, and the agent fails what
-depended on it (``RpcAgent._peer_lost``).
+depended on it (``RpcAgent.peer_lost``).
 
 Peer states::
 
@@ -29,6 +29,7 @@ interval.  A long transfer is not silence: the reader counts its progress.
 
 from __future__ import annotations
 
+import enum
 import logging
 import threading
 import time
@@ -39,13 +40,20 @@ from .._wire import frame as F
 log = logging.getLogger("torchwire")
 
 
+class PeerState(enum.Enum):
+    """A peer's state, as this worker knows it (the diagram in the module docstring)."""
+
+    UP = "up"
+    DOWN = "down"
+    DEAD = "dead"
+
 
 class PeerHealth:
     """Down and dead peers, and the monitor thread (heartbeat and reconnection).
 
     Args:
-        agent: the :class:`RpcAgent` (for its connections, ``_connect`` and
-            ``_peer_lost``).
+        agent: the :class:`RpcAgent` (its public methods: ``open_connections``,
+            ``reconnect``, ``peer_lost``, ``defer``, ``unavailable``, ``name_of``).
         interval: seconds between looks at the connections; 0 disables the heartbeat
             (reconnection attempts then run every second).
         timeout: seconds of silence after which a connection's peer is lost.
@@ -81,6 +89,11 @@ class PeerHealth:
             self._thread.join(2.0)
 
     # ------------------------------------------------------------------ state
+
+    def state(self, rank: int) -> PeerState:
+        if rank in self._dead:
+            return PeerState.DEAD
+        return PeerState.DOWN if rank in self._down else PeerState.UP
 
     def is_down(self, rank: int) -> bool:
         return rank in self._down

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import enum
+
 import torch
 
 from .. import _serialization as ser
@@ -147,15 +149,15 @@ class RRef:
 
     def rpc_sync(self, timeout: float = UNSET_RPC_TIMEOUT):
         """Proxy: ``rref.rpc_sync().method(*args)`` runs ``method`` on the owner, blocking."""
-        return _Proxy(self, "sync", timeout)
+        return _Proxy(self, _ProxyMode.SYNC, timeout)
 
     def rpc_async(self, timeout: float = UNSET_RPC_TIMEOUT):
         """Proxy: ``rref.rpc_async().method(*args)`` returns a future of the result."""
-        return _Proxy(self, "async", timeout)
+        return _Proxy(self, _ProxyMode.ASYNC, timeout)
 
     def remote(self, timeout: float = UNSET_RPC_TIMEOUT):
         """Proxy: ``rref.remote().method(*args)`` returns an RRef to the result (on the owner)."""
-        return _Proxy(self, "remote", timeout)
+        return _Proxy(self, _ProxyMode.REMOTE, timeout)
 
     def backward(self, dist_autograd_ctx_id: int = -1, retain_graph: bool = False) -> None:
         """Run the backward pass from the value (a scalar tensor), on its owner.
@@ -247,6 +249,12 @@ def _done(value) -> Future:
     return fut
 
 
+class _ProxyMode(enum.Enum):
+    SYNC = "rpc_sync"  # rref.rpc_sync().method(): the result
+    ASYNC = "rpc_async"  # rref.rpc_async().method(): a future of the result
+    REMOTE = "remote"  # rref.remote().method(): an RRef to the result, on the owner
+
+
 class _Proxy:
     """``rref.rpc_sync()`` and friends: attribute access names a method of the value."""
 
@@ -261,20 +269,20 @@ class _Proxy:
         rref, mode, timeout = self._rref, self._mode, self._timeout
 
         def method(*args, **kwargs):
-            if mode != "async" or rref._type is not None:
+            if mode is not _ProxyMode.ASYNC or rref._type is not None:
                 # As torch: the value's type (fetched once per RRef) must have the
                 # method; a typo fails here, before anything runs remotely.
                 _check_method(rref._get_type(timeout), name)
             call_args = (rref, name, args, kwargs)
-            if mode == "remote":
+            if mode is _ProxyMode.REMOTE:
                 return remote(rref._owner, proxy_invoke, call_args, None, timeout)
             fut = invoke_async(rref._owner, proxy_invoke, call_args, None, timeout)
-            return fut.wait() if mode == "sync" else fut
+            return fut.wait() if mode is _ProxyMode.SYNC else fut
         method.__name__ = name
         return method
 
     def __repr__(self) -> str:
-        return f"<RRef {self._mode} proxy of {self._rref}>"
+        return f"<RRef {self._mode.value} proxy of {self._rref}>"
 
 
 class _Creation(Future):

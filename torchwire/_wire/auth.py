@@ -47,7 +47,7 @@ import struct
 import time
 
 from .._base.errors import (AuthenticationError, ConnectError, ConnectionBrokenError,
-                            ProtocolError)
+                            ProtocolError, RpcStateError)
 from . import frame as F
 from .tls import TlsConfig, settimeout_until
 
@@ -124,7 +124,7 @@ class JobAuth:
     def mac(self, role: bytes, nonce_s: bytes, nonce_c: bytes, client_rank: int,
             server_rank: int) -> bytes:
         if self._key is None:
-            raise RuntimeError("JobAuth.bind was not called")
+            raise RpcStateError("JobAuth.bind was not called")
         msg = _CONTEXT + role + nonce_s + nonce_c + _RANKS.pack(client_rank, server_rank)
         return hmac.new(self._key, msg, hashlib.sha256).digest()
 
