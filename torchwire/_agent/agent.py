@@ -178,6 +178,15 @@ class RpcAgent:
             UnknownWorkerError: no member has that name, rank or WorkerInfo.
             WorkerUnavailableError: (dynamic groups) it names a member that left.
         """
+        t = type(to)
+        if t is str:  # the common cases, without a call more
+            info = self.names.by_name.get(to)
+            if info is not None:
+                return info
+        elif t is int:
+            member = self.names.by_rank.get(to)
+            if member is not None:
+                return member.info
         return self.info if to is None else self.names.lookup(to)
 
     def get_worker_infos(self) -> list[WorkerInfo]:

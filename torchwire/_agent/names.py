@@ -34,28 +34,30 @@ class NameTable:
 
     def __init__(self, records: list[WorkerRecord]) -> None:
         members = [Member(r) for r in records]
-        self._members: dict[int, Member] = {m.info.id: m for m in members}
-        self._by_name: dict[str, WorkerInfo] = {m.info.name: m.info for m in members}
+        # rank -> Member and name -> WorkerInfo, each replaced whole on a change: readers
+        # (every call looks its destination up) may use them without the lock
+        self.by_rank: dict[int, Member] = {m.info.id: m for m in members}
+        self.by_name: dict[str, WorkerInfo] = {m.info.name: m.info for m in members}
         # dynamic groups: who left or was found gone, and why (for errors)
         self._departed: dict[int, tuple[WorkerInfo, str]] = {}
         self._departed_names: dict[str, tuple[WorkerInfo, str]] = {}
         self._lock = threading.Lock()  # serializes changes
 
     def __repr__(self) -> str:
-        return f"<NameTable members={len(self._members)} departed={len(self._departed)}>"
+        return f"<NameTable members={len(self.by_rank)} departed={len(self._departed)}>"
 
     def __len__(self) -> int:
-        return len(self._members)
+        return len(self.by_rank)
 
     def member(self, rank: int) -> Member | None:
-        return self._members.get(rank)
+        return self.by_rank.get(rank)
 
     def members(self) -> list[Member]:
-        return list(self._members.values())
+        return list(self.by_rank.values())
 
     def infos(self) -> list[WorkerInfo]:
         """Every member, by rank."""
-        return sorted(m.info for m in self._members.values())
+        return sorted(m.info for m in self.by_rank.values())
 
     def lookup(self, to) -> WorkerInfo:
         """The member that ``to`` (a name, rank or WorkerInfo) names.
@@ -66,18 +68,18 @@ class NameTable:
             ValueError: ``to`` is none of those.
         """
         if isinstance(to, WorkerInfo):
-            m = self._members.get(to.id)
+            m = self.by_rank.get(to.id)
             if m is None or m.info != to:
                 gone = self._departed.get(to.id)
                 raise self._not_member(repr(to), gone if gone and gone[0] == to else None)
             return m.info
         if isinstance(to, str):
-            info = self._by_name.get(to)
+            info = self.by_name.get(to)
             if info is None:
                 raise self._not_member(to, self._departed_names.get(to))
             return info
         if isinstance(to, int) and not isinstance(to, bool):
-            m = self._members.get(to)
+            m = self.by_rank.get(to)
             if m is None:
                 raise self._not_member(f"rank {to}", self._departed.get(to))
             return m.info
@@ -86,7 +88,7 @@ class NameTable:
 
     def name_of(self, rank: int) -> str:
         """The name of ``rank``, a member or one that left (for messages)."""
-        m = self._members.get(rank)
+        m = self.by_rank.get(rank)
         if m is not None:
             return m.info.name
         gone = self._departed.get(rank)
@@ -123,17 +125,17 @@ class NameTable:
         """
         info = WorkerInfo(record.name, record.rank)
         with self._lock:
-            old = self._members.get(info.id)
+            old = self.by_rank.get(info.id)
             if old is not None and old.record == record:
                 return old, None
-            named = self._by_name.get(info.name)
+            named = self.by_name.get(info.name)
             if old is None and named is not None:
-                old = self._members.get(named.id)
+                old = self.by_rank.get(named.id)
             if old is not None:
                 return None, old
             member = Member(record)
-            self._members = {**self._members, info.id: member}
-            self._by_name = {**self._by_name, info.name: info}
+            self.by_rank = {**self.by_rank, info.id: member}
+            self.by_name = {**self.by_name, info.name: info}
             self._departed.pop(info.id, None)
             self._departed_names.pop(info.name, None)
             return member, None
@@ -142,9 +144,9 @@ class NameTable:
         """Take ``member`` out (remembering ``why``); False if it was not in the table."""
         rank = member.info.id
         with self._lock:
-            if self._members.get(rank) is not member:
+            if self.by_rank.get(rank) is not member:
                 return False
-            self._members = {r: m for r, m in self._members.items() if r != rank}
-            self._by_name = {n: i for n, i in self._by_name.items() if i.id != rank}
+            self.by_rank = {r: m for r, m in self.by_rank.items() if r != rank}
+            self.by_name = {n: i for n, i in self.by_name.items() if i.id != rank}
             self._departed[rank] = self._departed_names[member.info.name] = (member.info, why)
             return True
