@@ -2,7 +2,8 @@
 """Side-by-side benchmark of torch.distributed.rpc and torchwire.rpc.
 
 Usage:
-    python bench/bench.py [--quick] [--rounds N] [--libs torch,torchwire] [--out BENCHMARKS.md]
+    python bench/bench.py [--quick] [--rounds N] [--short-rounds N] [--libs torch,torchwire]
+                          [--out BENCHMARKS.md]
     python bench/bench.py --libs torchwire@PATH torchwire [--out FILE]   # A/B of two versions:
         torchwire from the checkout at PATH vs this checkout; ratios second / first, each
         metric flagged when worse by more than 3 %; the report goes to stdout and to FILE
@@ -814,6 +815,8 @@ def parse_args(argv):
                     help="1 round per library and smaller iteration counts")
     ap.add_argument("--rounds", type=int, default=None,
                     help="rounds per library (default 3, or 1 with --quick)")
+    ap.add_argument("--short-rounds", type=int, default=None,
+                    help="short alternating rounds per library (default 8, or 2 with --quick)")
     ap.add_argument("--libs", "--lib", dest="libs", nargs="+", default=["torch", "torchwire"],
                     help="libraries to run, comma or space separated (torch, torchwire); "
                     "torchwire@PATH: torchwire from the checkout at PATH, for an A/B of two "
@@ -847,6 +850,8 @@ def parse_args(argv):
         args.rounds = 1 if args.quick else 3
     if args.rounds < 1:
         ap.error("--rounds must be >= 1")
+    if args.short_rounds is not None and args.short_rounds < 1:
+        ap.error("--short-rounds must be >= 1")
     return args
 
 
@@ -854,6 +859,8 @@ def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
     cfg = make_cfg(args.quick)
+    if args.short_rounds is not None:
+        cfg["il_blocks"] = args.short_rounds
     started = _dt.datetime.now().astimezone()
     t0 = time.monotonic()
 
