@@ -78,10 +78,6 @@ class _Pool:
             self.leases[key] = (weakref.ref(view, returned), block)
         return view
 
-    def clear(self) -> None:
-        with self.lock:
-            self.blocks, self.cached = [], 0
-
 
 _pool = _Pool()
 
@@ -100,18 +96,6 @@ def pool_stats() -> dict:
     """Hits, misses, bytes held and buffers lent out by the receive-buffer pool."""
     return {"hits": _pool.hits, "misses": _pool.misses, "cached_bytes": _pool.cached,
             "lent": len(_pool.leases)}
-
-
-def cached_bytes() -> int:
-    """Bytes currently held in the pool (for tests and stats)."""
-    return _pool.cached
-
-
-def set_cache_limit(limit: int) -> None:
-    """Cap the bytes kept for reuse; 0 disables recycling."""
-    _pool.limit = limit
-    if limit == 0:
-        _pool.clear()
 
 
 def byte_view(t: torch.Tensor, nbytes: int) -> memoryview:

@@ -34,11 +34,6 @@ log = logging.getLogger("torchwire")
 _ignore_rref_leak = True
 
 
-def _require_agent():
-    """The current agent ("RPC has not been initialized" otherwise)."""
-    return require_agent()
-
-
 def _get_current_rpc_agent():
     """The current agent (torch's private lookup: "Current RPC agent is not set" otherwise)."""
     return require_agent(lookup=True)
