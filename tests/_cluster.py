@@ -114,20 +114,24 @@ def _world_child(conn, fn, rank, world_size, init_method, init, opts):
 
 
 def run_world(fn, world_size: int = 2, *, timeout: float = 60, init: bool = True,
-              init_method: str | None = None, **opts) -> list:
+              init_method: str | None = None, spawn: bool = False, **opts) -> list:
     """Run ``fn`` on every rank of a fresh job; return the per-rank results.
 
     With ``init=True`` each rank runs ``init_rpc("worker<r>")``, ``fn(rank, world_size)``,
     ``shutdown()``.  With ``init=False`` it runs ``fn(rank, world_size, init_method)``.
+    ``spawn``: start fresh interpreters instead of forking (``fn`` must then be a
+    module-level function): CUDA cannot be used in a child forked from a process that
+    asked CUDA anything (``torch.cuda.is_available()`` included).
 
     Raises:
         ChildError: a rank raised, died or did not finish within ``timeout``.
     """
     init_method = init_method or new_init_method()
+    ctx = mp.get_context("spawn") if spawn else _ctx
     procs = []
     for rank in range(world_size):
-        parent, child = _ctx.Pipe(duplex=False)
-        p = _ctx.Process(target=_world_child,
+        parent, child = ctx.Pipe(duplex=False)
+        p = ctx.Process(target=_world_child,
                          args=(child, fn, rank, world_size, init_method, init, opts))
         p.start()
         child.close()

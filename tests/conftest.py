@@ -1,8 +1,13 @@
+import os
 import sys
 from pathlib import Path
 
-import pytest
-import torch
+# Workers are forked from this process, so it must not initialize CUDA (a forked child
+# could not use it then): torch.cuda.is_available() asks NVML instead of the runtime.
+os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 # Workers are forked from this process: it must never start torch's intra-op thread
 # pool, or a child's first parallel op hangs on the pool state it inherited.

@@ -90,8 +90,10 @@ def test_a_map_naming_missing_gpus_fails_init_on_every_worker_without_hanging():
         rpc.shutdown()
         return "initialized"
 
+    # cuda:0 exists on a machine with a GPU: then the map's target, cuda:3, is the bad one
+    bad = "target" if torch.cuda.is_available() and torch.cuda.device_count() > 0 else "source"
     assert run_world(body, 2, init=False, timeout=60) == [
-        "Node worker0 has source devices with invalid indices in its device map for worker1"
+        f"Node worker0 has {bad} devices with invalid indices in its device map for worker1"
     ] * 2
 
 
@@ -99,27 +101,27 @@ def cuda_roundtrip(x):
     return x.device.type, x * 2
 
 
+def _cuda_roundtrip_body(rank, world_size, init_method):
+    from _cluster import options
+    opts = options(init_method)
+    if rank == 0:
+        opts.set_device_map("worker1", {0: 0})
+    rpc.init_rpc(f"worker{rank}", rank=rank, world_size=world_size, rpc_backend_options=opts)
+    result = None
+    if rank == 0:
+        where, y = rpc.rpc_sync("worker1", cuda_roundtrip,
+                                args=(torch.ones(3, device="cuda:0"),))
+        result = (where, y.device.type, y.cpu().tolist())
+        rref = rpc.remote("worker1", cuda_roundtrip, args=(torch.ones(2, device="cuda:0"),))
+        assert rref.to_here()[1].device.type == "cuda"  # the reply maps back
+        if torch.cuda.device_count() >= 2:  # cuda:1 is not in the map
+            with pytest.raises(rpc.SerializationError, match="only supports CPU tensors"):
+                rpc.rpc_sync("worker1", cuda_roundtrip, args=(torch.ones(1, device="cuda:1"),))
+    rpc.shutdown()
+    return result
+
+
 @needs_gpu
 def test_cuda_tensor_lands_on_the_mapped_device_and_the_reply_comes_back():
-    def body(rank, world_size, init_method):
-        from _cluster import options
-        opts = options(init_method)
-        if rank == 0:
-            opts.set_device_map("worker1", {0: 0})
-        rpc.init_rpc(f"worker{rank}", rank=rank, world_size=world_size,
-                     rpc_backend_options=opts)
-        result = None
-        if rank == 0:
-            where, y = rpc.rpc_sync("worker1", cuda_roundtrip,
-                                    args=(torch.ones(3, device="cuda:0"),))
-            result = (where, y.device.type, y.cpu().tolist())
-            rref = rpc.remote("worker1", cuda_roundtrip, args=(torch.ones(2, device="cuda:0"),))
-            assert rref.to_here()[1].device.type == "cuda"  # the reply maps back
-            if torch.cuda.device_count() >= 2:  # cuda:1 is not in the map
-                with pytest.raises(rpc.SerializationError, match="only supports CPU tensors"):
-                    rpc.rpc_sync("worker1", cuda_roundtrip,
-                                 args=(torch.ones(1, device="cuda:1"),))
-        rpc.shutdown()
-        return result
-
-    assert run_world(body, 2, init=False, timeout=90)[0] == ("cuda", "cuda", [2.0] * 3)
+    assert run_world(_cuda_roundtrip_body, 2, init=False, timeout=90, spawn=True)[0] == \
+        ("cuda", "cuda", [2.0] * 3)
