@@ -72,6 +72,9 @@ def test_valid_maps_route_requests_and_replies_through_the_inverse():
     # b replies to a through the inverse of a's map
     assert b.target(0, False, torch.device("cpu")) == torch.device("cuda", 1)
     assert b.target(0, True, cuda) is None  # b has no map of its own to a
+    # a one-way message (a backward pass's gradients) goes by whichever map covers it
+    assert b.target(0, None, torch.device("cpu")) == torch.device("cuda", 1)
+    assert a.target(1, None, cuda) == cuda and a.target(1, None, torch.device("cuda", 2)) is None
     assert not _devices.Router("a", _records())
 
 
@@ -125,3 +128,33 @@ def _cuda_roundtrip_body(rank, world_size, init_method):
 def test_cuda_tensor_lands_on_the_mapped_device_and_the_reply_comes_back():
     assert run_world(_cuda_roundtrip_body, 2, init=False, timeout=90, spawn=True)[0] == \
         ("cuda", "cuda", [2.0] * 3)
+
+
+def cuda_double(x):
+    return x * 2
+
+
+def _cuda_autograd_body(rank, world_size, init_method):
+    import torchwire.autograd as dist_autograd
+    from _cluster import options
+    opts = options(init_method)
+    if rank == 0:
+        opts.set_device_map("worker1", {0: 0})
+    rpc.init_rpc(f"worker{rank}", rank=rank, world_size=world_size, rpc_backend_options=opts)
+    result = None
+    if rank == 0:
+        x = torch.ones(3, device="cuda:0", requires_grad=True)
+        with dist_autograd.context() as cid:
+            y = rpc.rpc_sync("worker1", cuda_double, args=(x,))  # 2x, computed on worker1
+            z = rpc.remote("worker1", cuda_double, args=(y,)).to_here()  # 4x, through an RRef
+            dist_autograd.backward(cid, [(y * z).sum()])  # d/dx sum(8 x^2) = 16 x
+            grad = dist_autograd.get_gradients(cid)[x]
+        result = (y.device.type, z.device.type, grad.device.type, grad.cpu().tolist())
+    rpc.shutdown()
+    return result
+
+
+@needs_gpu
+def test_distributed_autograd_and_rrefs_carry_cuda_tensors_under_a_device_map():
+    assert run_world(_cuda_autograd_body, 2, init=False, timeout=90, spawn=True)[0] == \
+        ("cuda", "cuda", "cuda", [16.0] * 3)

@@ -202,7 +202,7 @@ class Server:
         if not _plain_value(value, 0):
             return False
         try:
-            payload, _, _ = ser.dumps_to(value, conn.peer_rank, False)
+            payload, _, _ = ser.dumps_to(value, conn.peer_rank, False, True)
         except SerializationError:
             return False
         if len(payload) > _NOWAIT_MAX:
@@ -224,7 +224,7 @@ class Server:
             plain = ser.plain_reply(value)
             if plain is None:
                 flags = 0
-                payload, tensors, sent = ser.dumps_to(value, conn.peer_rank, False)
+                payload, tensors, sent = ser.dumps_to(value, conn.peer_rank, False, True)
             else:
                 payload, tensors = plain
         except SerializationError as exc:

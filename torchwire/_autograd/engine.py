@@ -15,7 +15,7 @@ import torch
 
 from .._base import intraop as _intraop
 from .context import DistAutogradContext
-from .recording import _anchor, _pass
+from .recording import _anchor, _pass, device_passes
 
 
 class _Through(torch.autograd.Function):
@@ -55,6 +55,7 @@ _ACCUMULATE = torch._C._functions.AccumulateGrad
 
 
 _hooked = threading.Lock()
+_device_lock = threading.Lock()  # passes over graphs with device tensors take turns
 
 
 def _capture(state, leaf, captured: list):
@@ -151,8 +152,15 @@ def _local_pass(ctx: DistAutogradContext, outputs, grads, retain: bool) -> dict:
                     for h in handles:
                         h.remove()
         else:
-            got = torch.autograd.grad(inner, inputs + [_anchor],
-                                      inner_grads, retain_graph=retain, allow_unused=True)
+            # Device nodes (recv nodes included) run on the engine's device threads: they
+            # find the pass by context id, one device pass at a time.
+            with _device_lock:
+                device_passes[ctx.id] = state
+                try:
+                    got = torch.autograd.grad(inner, inputs + [_anchor], inner_grads,
+                                              retain_graph=retain, allow_unused=True)
+                finally:
+                    device_passes.pop(ctx.id, None)
             captured = [(leaf, g) for (leaf, _), g in zip(leaves, got) if g is not None]
             del got
     finally:

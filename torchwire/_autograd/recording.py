@@ -40,6 +40,10 @@ class _PassLocal(threading.local):
 
 
 _pass = _PassLocal()
+# The pass over a graph with tensors off the CPU, by context id: the engine runs such a
+# graph's device nodes on its device threads, where ``_pass`` is not the pass's (one
+# such pass at a time, see engine.py).
+device_passes: dict = {}
 
 
 class _Recv(torch.autograd.Function):
@@ -53,6 +57,8 @@ class _Recv(torch.autograd.Function):
     def backward(ctx, grad):
         running = _pass.current
         tag = ctx.tag
+        if running is None:
+            running = device_passes.get(tag[0])  # a device thread of a device pass
         if running is not None and running[0] == tag[0]:
             out = running[1]
             key = (tag[1], tag[2])

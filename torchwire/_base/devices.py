@@ -122,6 +122,13 @@ class Router:
     def __bool__(self) -> bool:
         return any(self._out.values()) or any(self._back.values())
 
-    def target(self, dest: int, request: bool, device: torch.device) -> torch.device | None:
+    def target(self, dest: int, request: bool | None,
+               device: torch.device) -> torch.device | None:
+        """Where ``device``'s tensor lands on ``dest``: a request through this worker's
+        map to ``dest``, a reply (``request`` False) through the inverse of ``dest``'s
+        map to this worker, a one-way message (None) through whichever covers it."""
+        if request is None:
+            return self._out.get(dest, {}).get(device) or \
+                self._back.get(dest, {}).get(device)
         table = (self._out if request else self._back).get(dest, {})
         return table.get(device)

@@ -30,7 +30,8 @@ import torch
 
 PlainHandler = Callable[[int, Any, list], None]  # (sender rank, payload, buffers)
 PlainDecoder = Callable[[Any, list], Any]  # (payload, buffers) -> the reply's value
-DeviceRouter = Callable[[int, bool, torch.device], "torch.device | None"]
+# (dest rank, a request: True / a reply: False / one-way: None, device) -> device or None
+DeviceRouter = Callable[[int, "bool | None", torch.device], "torch.device | None"]
 
 
 class AutogradHook(Protocol):

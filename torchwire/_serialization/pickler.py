@@ -230,7 +230,11 @@ class _RpcPickler(pickle.Pickler):
         target = None
         router = hooks.device_router
         if send is not None and router is not None:
-            target = router(send.dest, send.request, t.device)
+            # a call: this worker's map; a reply: the inverse of the caller's; a one-way
+            # message (a backward pass's gradients, which go back along a tensor's
+            # forward path, either way): whichever covers the device
+            target = router(send.dest, True if send.request else False if send.reply
+                            else None, t.device)
         if target is None:
             # torch's wording first: code ported from torch matches on it
             raise SerializationError(
@@ -294,8 +298,10 @@ class SendContext:
 
     Attributes:
         dest: rank of the worker the message goes to.
-        request: True for a request (its reply proves the peer unpickled it), False
-            for a reply.
+        request: True for a call (its reply proves the peer unpickled it), False
+            for a reply or a one-way message.
+        reply: the message answers a request of ``dest``: its CUDA tensors go through
+            the inverse of ``dest``'s device map, not through this worker's.
         pins: objects to keep alive until the request's reply arrives.
         undo: callables that cancel what pickling did, run if the message is
             never sent (pickling failed, the connection is gone).
@@ -303,11 +309,12 @@ class SendContext:
             tensors that require grad are recorded there), or None.
     """
 
-    __slots__ = ("dest", "request", "pins", "undo", "grad_ctx")
+    __slots__ = ("dest", "request", "reply", "pins", "undo", "grad_ctx")
 
-    def __init__(self, dest: int, request: bool) -> None:
+    def __init__(self, dest: int, request: bool, reply: bool = False) -> None:
         self.dest = dest
         self.request = request
+        self.reply = reply
         self.pins: list = []
         self.undo: list = []
         self.grad_ctx = None
@@ -323,9 +330,10 @@ def current_send() -> SendContext | None:
     return _tls.send
 
 
-def dumps_to(obj: Any, dest: int, request: bool) \
+def dumps_to(obj: Any, dest: int, request: bool, reply: bool = False) \
         -> tuple[bytes, list[torch.Tensor], SendContext | None]:
-    """:func:`dumps` for a message to worker ``dest``.
+    """:func:`dumps` for a message to worker ``dest``: a call (``request``), a reply
+    (``reply``) or a one-way message (neither).
 
     Returns:
         ``(payload, tensors, ctx)``; ``ctx`` is None unless a reducer recorded pins
@@ -333,7 +341,7 @@ def dumps_to(obj: Any, dest: int, request: bool) \
         not sent (``ctx.abort()``).
     """
     prev = _tls.send
-    ctx = _tls.send = SendContext(dest, request)
+    ctx = _tls.send = SendContext(dest, request, reply)
     try:
         if request and _grad.context is not None:
             obj = hooks.autograd.outgoing(ctx, obj)
