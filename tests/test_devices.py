@@ -104,12 +104,17 @@ def cuda_roundtrip(x):
     return x.device.type, x * 2
 
 
-def _cuda_roundtrip_body(rank, world_size, init_method):
+def _init_with_map(rank, world_size, init_method) -> None:
+    """init_rpc with worker0's cuda:0 mapped to worker1's cuda:0 (worker1 has no map)."""
     from _cluster import options
     opts = options(init_method)
     if rank == 0:
         opts.set_device_map("worker1", {0: 0})
     rpc.init_rpc(f"worker{rank}", rank=rank, world_size=world_size, rpc_backend_options=opts)
+
+
+def _cuda_roundtrip_body(rank, world_size, init_method):
+    _init_with_map(rank, world_size, init_method)
     result = None
     if rank == 0:
         where, y = rpc.rpc_sync("worker1", cuda_roundtrip,
@@ -136,11 +141,7 @@ def cuda_double(x):
 
 def _cuda_autograd_body(rank, world_size, init_method):
     import torchwire.autograd as dist_autograd
-    from _cluster import options
-    opts = options(init_method)
-    if rank == 0:
-        opts.set_device_map("worker1", {0: 0})
-    rpc.init_rpc(f"worker{rank}", rank=rank, world_size=world_size, rpc_backend_options=opts)
+    _init_with_map(rank, world_size, init_method)
     result = None
     if rank == 0:
         x = torch.ones(3, device="cuda:0", requires_grad=True)
