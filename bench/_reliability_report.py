@@ -28,6 +28,14 @@ def checkout(repo: str) -> str:
     return f"`{rev}` (**dirty**: {len(st)} paths changed, {lib} of them under `torchwire/`)"
 
 
+def machine() -> str:
+    from bench import machine_info
+
+    m = machine_info()
+    return (f"{m['cpu']}, {m['cores']} cores, {m['mem']} RAM, {m['os']}; Python "
+            f"{m['python']}, torch {m['torch']}")
+
+
 def passed(run: dict) -> bool:
     return bool(run["checks"]) and all(c["ok"] for c in run["checks"])
 

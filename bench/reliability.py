@@ -39,14 +39,6 @@ from _reliability_job import netns_unavailable  # noqa: E402
 from _reliability_strangers import check_pickle_runs  # noqa: E402
 
 
-def _machine() -> str:
-    from bench import machine_info
-
-    m = machine_info()
-    return (f"{m['cpu']}, {m['cores']} cores, {m['mem']} RAM, {m['os']}; Python "
-            f"{m['python']}, torch {m['torch']}")
-
-
 def run_faults(args, log) -> int:
     libs = [x for x in args.libs.split(",") if x]
     names = [x for x in args.only.split(",") if x] if args.only else list(SCENARIOS)
@@ -79,7 +71,7 @@ def run_faults(args, log) -> int:
                 log(f"run {i + 1}/{args.runs} {name:10s} {lib:9s} "
                     f"{'skipped' if run.get('skipped') else 'PASS' if not fails else 'FAIL'}"
                     f" ({run['s']:.0f} s){': ' + '; '.join(fails) if fails else ''}")
-    meta = {"checkout": head, "date": f"{started:%Y-%m-%d %H:%M %Z}", "machine": _machine(),
+    meta = {"checkout": head, "date": f"{started:%Y-%m-%d %H:%M %Z}", "machine": R.machine(),
             "command": "./run reliability " + " ".join(args.argv), "wall": time.monotonic() - t0,
             "runs": args.runs, "guard": check_pickle_runs()}
     section = R.faults_section(results, SCENARIOS, libs, meta)

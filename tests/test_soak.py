@@ -3,6 +3,9 @@
 The load test runs by default.  The soak runs on demand (it takes minutes):
 
     TORCHWIRE_SOAK=1 ./run test tests/test_soak.py -s
+
+``./run reliability --soak`` runs the same soak (:func:`soak`) and writes its
+samples into RELIABILITY.md, with the long fuzzing of ``tests/test_fuzz.py``.
 """
 
 from __future__ import annotations
@@ -66,47 +69,73 @@ def test_ten_thousand_outstanding_calls_from_four_threads_all_complete(world):
     assert world.run(0, _ten_thousand_outstanding, timeout=120)
 
 
-@pytest.mark.skipif(not SOAK, reason="soak runs on demand: TORCHWIRE_SOAK=1")
-@pytest.mark.timeout(3600)
-def test_soak_small_calls_and_rref_cycles_keep_memory_and_fds_flat():
-    calls, cycles = 1_000_000, 100_000
+def soak(calls: int = 1_000_000, cycles: int = 100_000, samples: int = 10,
+         timeout: float = 3600) -> dict:
+    """The soak on a fresh 3-worker job: ``calls`` small calls from worker0 (batches of
+    1 000 ``rpc_async``, alternating worker1 and worker2), then ``cycles`` RRef
+    create/delete cycles (``remote()`` on one peer, ``to_here()`` from the other, then
+    ``del``).  Every worker's (RSS bytes, open fds) is sampled ``samples`` times per
+    phase, the first at the end of the warm-up (the first 1/``samples``).
+
+    Returns ``{"calls": [(done, [(rss, fds)] * 3), ...], "rrefs": [...],
+    "t_calls": s, "t_rrefs": s}``.  ``bench/reliability.py --soak`` runs it too.
+    """
 
     def body(rank, world_size):
         if rank != 0:
             return None
         peers = ["worker1", "worker2"]
-        marks = {}
+        marks: dict = {"calls": [], "rrefs": []}
 
-        def checkpoint(name):
-            marks[name] = [_usage()] + [rpc.rpc_sync(p, _usage) for p in peers]
+        def checkpoint(phase, done):
+            marks[phase].append((done, [_usage()] + [rpc.rpc_sync(p, _usage) for p in peers]))
 
+        step = max(1000, calls // samples // 1000 * 1000)
         t0 = time.monotonic()
         done = 0
         while done < calls:
             futs = [rpc.rpc_async(peers[i % 2], add, args=(i, 1)) for i in range(1000)]
             torch.futures.wait_all(futs)
             done += len(futs)
-            if done == calls // 10:
-                checkpoint("calls_warm")
-        checkpoint("calls_end")
-        t_calls = time.monotonic() - t0
+            if done % step == 0 or done >= calls:
+                checkpoint("calls", done)
+        marks["t_calls"] = time.monotonic() - t0
+        step = max(1, cycles // samples)
         t0 = time.monotonic()
         for i in range(cycles):
             rref = rpc.remote(peers[i % 2], add, args=(i, 1))
             assert rpc.rpc_sync(peers[(i + 1) % 2], relay, args=(rref, None)) == i + 1
             del rref
-            if i + 1 == cycles // 10:
-                checkpoint("rrefs_warm")
-        time.sleep(0.5)
-        checkpoint("rrefs_end")
-        return marks, t_calls, time.monotonic() - t0
+            if (i + 1) % step == 0 and i + 1 < cycles:
+                checkpoint("rrefs", i + 1)
+        time.sleep(0.5)  # the last deletions reach their owners
+        checkpoint("rrefs", cycles)
+        marks["t_rrefs"] = time.monotonic() - t0
+        return marks
 
-    marks, t_calls, t_rrefs = run_world(body, 3, timeout=3600)[0]
-    print(f"\n{calls} calls in {t_calls:.0f} s, {cycles} RRef cycles in {t_rrefs:.0f} s")
+    return run_world(body, 3, timeout=timeout)[0]
+
+
+def growth(marks: dict) -> list[tuple]:
+    """``(phase, worker, (rss_warm, fds_warm), (rss_end, fds_end), ok)``: ok when RSS and
+    open fds each grew by less than 5 % from the end of the warm-up to the end."""
+    out = []
     for phase in ("calls", "rrefs"):
-        for worker, ((rss0, fds0), (rss1, fds1)) in enumerate(
-                zip(marks[f"{phase}_warm"], marks[f"{phase}_end"])):
-            print(f"{phase} worker{worker}: RSS {rss0 >> 20} -> {rss1 >> 20} MiB, "
-                  f"fds {fds0} -> {fds1}")
-            assert rss1 <= rss0 * 1.05, f"{phase}: worker{worker} RSS grew over 5%"
-            assert fds1 <= fds0, f"{phase}: worker{worker} file descriptors grew"
+        warm, end = marks[phase][0][1], marks[phase][-1][1]
+        for worker, (w, e) in enumerate(zip(warm, end)):
+            ok = e[0] < w[0] * 1.05 and e[1] < w[1] * 1.05
+            out.append((phase, worker, w, e, ok))
+    return out
+
+
+@pytest.mark.skipif(not SOAK, reason="soak runs on demand: TORCHWIRE_SOAK=1")
+@pytest.mark.timeout(3600)
+def test_soak_small_calls_and_rref_cycles_keep_memory_and_fds_flat():
+    calls, cycles = 1_000_000, 100_000
+    marks = soak(calls, cycles)
+    print(f"\n{calls} calls in {marks['t_calls']:.0f} s, {cycles} RRef cycles in "
+          f"{marks['t_rrefs']:.0f} s")
+    for phase, worker, (rss0, fds0), (rss1, fds1), ok in growth(marks):
+        print(f"{phase} worker{worker}: RSS {rss0 >> 20} -> {rss1 >> 20} MiB, "
+              f"fds {fds0} -> {fds1}")
+        assert ok, f"{phase}: worker{worker} RSS or fds grew by 5% or more after the warm-up"
