@@ -1,7 +1,9 @@
 """Property-based fuzzing of the frame decoder and the unpickling boundary (hypothesis).
 
-A short budget runs in ``./run test``; ``TORCHWIRE_FUZZ_EXAMPLES=20000 ./run test
-tests/test_fuzz.py`` runs a long one on demand.  The properties: whatever bytes
+A short budget runs in ``./run test`` (100 examples per property);
+``TORCHWIRE_FUZZ_EXAMPLES`` sets another: ``./run reliability --soak`` runs these
+properties with 100 000 (``TORCHWIRE_FUZZ_EXAMPLES=20000 ./run test tests/test_fuzz.py``
+for a long run by hand).  The properties: whatever bytes
 arrive, the reader either delivers well-formed frames or drops the connection
 with a ``ProtocolError`` / ``LinkError`` (never another exception, never a hang,
 never an allocation beyond ``max_message_size``); whatever payload arrives, the
