@@ -19,7 +19,8 @@ import socket
 import threading
 
 from .._base import intraop as _intraop, threads as _threads
-from .._base.errors import ConnectionBrokenError, ConnectionClosedError, LinkError, ProtocolError
+from .._base.errors import (ConnectionBrokenError, ConnectionClosedError, LinkError,
+                            ProtocolError, RpcTimeoutError)
 from . import frame as F
 from . import reader
 from .buffers import byte_view
@@ -105,17 +106,20 @@ class Connection:
     # ------------------------------------------------------------------ sending
 
     def send_frame(self, kind: int, flags: int, request_id: int, payload: bytes,
-                   tensors=()) -> None:
+                   tensors=(), deadline: float | None = None) -> None:
         """Send one frame: written at once unless another thread is writing.
+        ``deadline`` (``time.monotonic()``) bounds this thread's wait on a full socket
+        (see ``writer.py``).
 
         Raises:
             ConnectionClosedError: the connection is closed.
             ConnectionBrokenError: the write failed.
+            RpcTimeoutError: the connection stayed full until ``deadline``; nothing sent.
         """
         if tensors:
             lens = [t.nbytes for t in tensors]
             if max(lens) >= self._large and self._send_large(kind, flags, request_id,
-                                                             payload, tensors, lens):
+                                                             payload, tensors, lens, deadline):
                 return
             parts = [F.encode_header(kind, flags, request_id, len(payload), lens), payload]
             for t, n in zip(tensors, lens):
@@ -125,9 +129,9 @@ class Connection:
         else:
             parts = [F.pack_header(kind, flags, request_id, len(payload), 0), payload]
             size = F.HEADER_SIZE + len(payload)
-        self._enqueue(parts, tensors, size)
+        self._enqueue(parts, tensors, size, deadline)
 
-    def _send_large(self, kind, flags, request_id, payload, tensors, lens) -> bool:
+    def _send_large(self, kind, flags, request_id, payload, tensors, lens, deadline) -> bool:
         """Send a frame through the first channel that takes its largest buffer (see
         ``channels/``); False if none does (the socket carries it all)."""
         big = max(lens)
@@ -156,8 +160,8 @@ class Connection:
             size = F.HEADER_SIZE + 8 * len(lens) + len(payload) + sum(lens)
             ch.ready(self, frame)
             try:
-                self._enqueue(parts, tensors, size)
-            except LinkError:
+                self._enqueue(parts, tensors, size, deadline)
+            except (LinkError, RpcTimeoutError):
                 ch.drop(self, frame)
                 fds.close()
                 raise

@@ -10,6 +10,19 @@ The usual case skips the queue: when nobody is writing, the sender writes its
 frame directly (one lock round to take the turn, one to give it back) and only
 then looks for frames queued meanwhile.
 
+Deadlines and backpressure: a sender may pass its call's ``deadline``.  On a plain
+socket every ``sendmsg`` is non-blocking; a socket that is full is waited for with
+``poll`` until the deadline at most.  A frame half written when the deadline passes
+cannot be taken back (the stream would be corrupt), so the rest of the queue goes to
+a pool thread that finishes it without a deadline (a peer that never reads again is
+cut by the heartbeat, which closes the socket and wakes it), and the sender returns:
+its call fails at its deadline by the timer.  Frames queued behind a writing thread
+keep their tensors alive, so the queue is capped at ``max_queued`` bytes: a sender
+that would pass the cap waits for room until its deadline, then raises
+``RpcTimeoutError`` with nothing sent (one frame is always let in, whatever its size).
+The memory a connection holds for a peer that stopped reading is thus at most the
+batch being written plus ``max_queued``.
+
 Errors: a write on a closed connection raises ``ConnectionClosedError``; a write
 that fails (the peer reset, the network) raises ``ConnectionBrokenError`` with the
 ``OSError`` as its cause, and closes the connection with it.
@@ -19,14 +32,25 @@ from __future__ import annotations
 
 import array
 import os
+import select
 import socket
 import threading
+import time
 from functools import partial
 
-from .._base.errors import ConnectionBrokenError, ConnectionClosedError
+from .._base.errors import ConnectionBrokenError, ConnectionClosedError, RpcTimeoutError
 
 _IOV_MAX = 1000  # parts per sendmsg (Linux takes at most 1024)
 _DONTWAIT = int(getattr(socket, "MSG_DONTWAIT", 0))
+MAX_QUEUED = 64 << 20  # bytes queued behind a writing thread before senders wait
+
+
+class _Late(Exception):
+    """A write ran into its deadline; ``rest``: the parts not yet written."""
+
+    def __init__(self, rest: list) -> None:
+        super().__init__()
+        self.rest = rest
 
 
 class Fds:
@@ -69,8 +93,12 @@ class Writer:
     ``lock`` guards the queue and ``closed``; the connection holds it to close.
     """
 
-    def __init__(self, sock, peer_rank: int, defer, broken) -> None:
+    def __init__(self, sock, peer_rank: int, defer, broken,
+                 max_queued: int = MAX_QUEUED) -> None:
         self.lock = threading.Lock()
+        self._room = threading.Condition(self.lock)  # the queue fell below the cap
+        self.max_queued = max_queued
+        self.queued = 0  # bytes in ``queue``
         self.queue: list = []
         self.keep: list = []  # tensors of queued frames, alive until written
         self.flushing = False  # a thread holds the writer's turn
@@ -82,19 +110,25 @@ class Writer:
         self._sock = sock
         self._defer = defer
         self._broken = broken
-        # A TLS link encrypts part by part; a plain socket takes them all in one sendmsg.
-        self._sendall = getattr(sock, "sendall_parts", None) or partial(_sendall, sock)
         self.nowait = isinstance(sock, socket.socket) and bool(_DONTWAIT)
+        # A TLS link encrypts part by part (its writes block: no deadline there); a
+        # plain socket takes them all in one sendmsg.
+        tls = getattr(sock, "sendall_parts", None)
+        self._sendall = ((lambda parts, deadline=None: tls(parts)) if tls is not None
+                         else partial(_sendall, sock))
 
-    def enqueue(self, parts: list, tensors, size: int) -> None:
+    def enqueue(self, parts: list, tensors, size: int, deadline: float | None = None) -> None:
         """Write one frame's ``parts`` (``size`` bytes; ``tensors`` alive until written),
         or queue them behind the thread that is writing.
 
         Raises:
             ConnectionClosedError: the connection is closed.
             ConnectionBrokenError: the write failed (the connection is closed now).
+            RpcTimeoutError: the queue stayed full until ``deadline``; nothing was sent.
         """
         with self.lock:
+            if self.flushing and self.queued and self.queued + size > self.max_queued:
+                self._wait_for_room(size, deadline)
             if self.closed:
                 raise ConnectionClosedError(f"connection to rank {self._peer} is closed")
             self.frames_out += 1
@@ -105,6 +139,7 @@ class Writer:
             direct = not self.flushing and type(parts[0]) is not Fds
             if not direct:
                 self.queue.extend(parts)
+                self.queued += size
                 if type(parts[0]) is Fds:
                     self.fd_frames += 1
                 if tensors:
@@ -114,17 +149,33 @@ class Writer:
             self.flushing = True
         if direct:
             try:
-                self._sendall(parts)
+                self._sendall(parts, deadline)
             except OSError as exc:
                 self._write_failed(exc)
+            except _Late as late:
+                self._hand_off(late.rest, tensors, 0)
+                return
             with self.lock:
                 if not self.queue:  # (nobody queued a frame meanwhile)
                     self.flushing = False
                     return
-        self.flush()
+        self.flush(deadline)
 
-    def flush(self) -> None:
-        """Write what is queued until the queue is empty; the caller holds the turn."""
+    def _wait_for_room(self, size: int, deadline: float | None) -> None:
+        """Under ``lock``: wait until the queue has room for ``size`` bytes (or is
+        empty), the connection closes, or ``deadline`` passes (raise)."""
+        while (self.flushing and self.queued and self.queued + size > self.max_queued
+               and not self.closed):
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                raise RpcTimeoutError(
+                    f"the connection to rank {self._peer} stayed full until the call's "
+                    f"deadline ({self.queued} bytes queued: the peer is not reading)")
+            self._room.wait(left)
+
+    def flush(self, deadline: float | None = None) -> None:
+        """Write what is queued until the queue is empty; the caller holds the turn.
+        Past ``deadline``, a pool thread finishes (see the module docstring)."""
         while True:
             with self.lock:
                 parts = self.queue
@@ -133,21 +184,45 @@ class Writer:
                     self.keep = []
                     return
                 self.queue = []
+                self.queued = 0
+                self._room.notify_all()
                 keep = self.keep
                 self.keep = []
                 with_fds, self.fd_frames = self.fd_frames, 0
             try:
                 if with_fds:
-                    _sendall_fds(self._sock, parts)
+                    _sendall_fds(self._sock, parts, deadline)
                 else:
-                    self._sendall(parts)
+                    self._sendall(parts, deadline)
             except OSError as exc:
                 if with_fds:
                     close_fds(parts)
                 self._write_failed(exc)
+            except _Late as late:
+                if with_fds:  # close the descriptors that went, keep the rest's
+                    kept = {id(p) for p in late.rest}
+                    close_fds([p for p in parts if id(p) not in kept])
+                self._hand_off(late.rest, keep, late.fds)
+                return
             if with_fds:
                 close_fds(parts)
             del keep
+
+    def _hand_off(self, rest: list, keep, fd_frames: int) -> None:
+        """The writing thread's deadline passed with ``rest`` unwritten: put it back at
+        the head of the queue and let a pool thread finish, keeping the turn."""
+        size = sum(p.nbytes if isinstance(p, memoryview) else len(p) for p in rest
+                   if type(p) is not Fds)
+        with self.lock:
+            self.queue[:0] = rest
+            self.queued += size
+            self.fd_frames += fd_frames
+            if keep:
+                self.keep.append(keep)
+        try:
+            self._defer(self._flush_or_close)
+        except RuntimeError:  # the pool is shut down: finish here
+            self._flush_or_close()
 
     def send_nowait(self, frame: bytes) -> bool:
         """Send one small encoded frame from a thread that must never block on a write
@@ -170,6 +245,7 @@ class Writer:
             self.bytes_out += len(frame)
             if self.flushing:  # the writing thread sends it with what it has
                 self.queue.append(frame)
+                self.queued += len(frame)
                 return True
             self.flushing = True
         try:
@@ -184,6 +260,7 @@ class Writer:
         with self.lock:
             if sent < len(frame):
                 self.queue.insert(0, frame[sent:])
+                self.queued += len(frame) - sent
             elif not self.queue:
                 self.flushing = False
                 return True
@@ -206,8 +283,10 @@ class Writer:
         descriptors).  The caller holds ``lock``."""
         self.closed = True
         dropped, self.queue = self.queue, []
+        self.queued = 0
         self.fd_frames = 0
         self.keep = []
+        self._room.notify_all()
         return dropped
 
     def _write_failed(self, exc: OSError) -> None:
@@ -215,38 +294,68 @@ class Writer:
         with self.lock:
             self.flushing = False
             dropped, self.queue = self.queue, []
+            self.queued = 0
             self.fd_frames = 0
             self.keep = []
+            self._room.notify_all()
         close_fds(dropped)
         self._broken(exc)
         raise ConnectionBrokenError(f"write to rank {self._peer} failed: {exc}") from exc
 
 
-def _sendall_fds(sock: socket.socket, parts: list) -> None:
+def _sendall_fds(sock: socket.socket, parts: list, deadline: float | None = None) -> None:
     """``_sendall`` for a queue holding ``Fds`` markers: each marker starts a
-    new ``sendmsg`` that carries its descriptors with the frame that follows."""
+    new ``sendmsg`` that carries its descriptors with the frame that follows.
+
+    Raises:
+        _Late: as ``_sendall``; its ``rest`` keeps the markers not yet sent, and
+            ``fds`` counts them.
+    """
     start, anc = 0, None
     for i, p in enumerate(parts):
         if type(p) is Fds:
             if i > start:
-                _sendall(sock, parts[start:i], anc)
+                _sendall_late(sock, parts, start, i, anc, deadline)
             anc = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", p.fds))]
             start = i + 1
     if start < len(parts):
-        _sendall(sock, parts[start:], anc)
+        _sendall_late(sock, parts, start, len(parts), anc, deadline)
 
 
-def _sendall(sock: socket.socket, parts: list, anc=None) -> None:
+def _sendall_late(sock, parts, start, end, anc, deadline) -> None:
+    try:
+        _sendall(sock, parts[start:end], deadline, anc)
+    except _Late as late:
+        rest = late.rest + parts[end:]
+        if late.anc is not None:  # its descriptors did not go: keep their marker
+            rest.insert(0, parts[start - 1])
+        late.rest = rest
+        late.fds = sum(1 for p in rest if type(p) is Fds)
+        raise
+
+
+def _sendall(sock: socket.socket, parts: list, deadline: float | None = None,
+             anc=None) -> None:
     """Write every part, in order, with as few ``sendmsg`` calls as the kernel allows
-    (``anc``: ancillary data for the first one)."""
+    (``anc``: ancillary data for the first one).  Each call is non-blocking; a full
+    socket is waited for until ``deadline`` (None: as long as it takes).
+
+    Raises:
+        _Late: ``deadline`` passed; ``rest`` is what was not written (nothing lost:
+            written bytes are gone, the rest of a half-written part is its tail).
+        OSError: the write failed.
+    """
     i, n = 0, len(parts)
     while i < n:
         chunk = parts[i:i + _IOV_MAX]
-        if anc:
-            sent = sock.sendmsg(chunk, anc)
-            anc = None
-        else:
-            sent = sock.sendmsg(chunk)
+        try:
+            if anc:
+                sent = sock.sendmsg(chunk, anc, _DONTWAIT)
+                anc = None
+            else:
+                sent = sock.sendmsg(chunk, (), _DONTWAIT)
+        except BlockingIOError:
+            sent = 0
         # consume `sent` bytes from the chunk
         j = 0
         for p in chunk:
@@ -261,3 +370,25 @@ def _sendall(sock: socket.socket, parts: list, anc=None) -> None:
             # partial part: keep the unsent tail
             head = parts[i]
             parts[i] = memoryview(head)[sent:]
+        if i < n and (j < len(chunk)):
+            if not _wait_writable(sock, deadline):
+                late = _Late(parts[i:])
+                late.fds, late.anc = 0, anc
+                raise late
+
+
+def _wait_writable(sock: socket.socket, deadline: float | None) -> bool:
+    """Wait until ``sock`` takes more bytes (or fails: the next write raises); False
+    if ``deadline`` passed first."""
+    poller = select.poll()
+    poller.register(sock.fileno(), select.POLLOUT)
+    while True:
+        if deadline is None:
+            ms = None
+        else:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            ms = max(1, int(left * 1000))
+        if poller.poll(ms):
+            return True

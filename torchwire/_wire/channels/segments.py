@@ -452,6 +452,11 @@ class _Segments:
             self.vain.pop(conn, None)
             self.settled.notify_all()  # a sender waiting for one of its segments gives up
 
+    def leased_bytes(self, conn) -> int:
+        """Bytes of the segments ``conn``'s peer holds leases on."""
+        with self.lock:
+            return sum(s.size for s in self.segs.values() if conn in s.leases)
+
     def leased_to(self, conn) -> int:
         """Leases ``conn``'s peer holds (mappings it has not released)."""
         with self.lock:
@@ -584,4 +589,5 @@ import_fd = _segments.import_fd
 import_back = _segments.import_back
 stats = _segments.stats
 leased_to = _segments.leased_to
+leased_bytes = _segments.leased_bytes
 clear = _segments.clear

@@ -24,6 +24,11 @@ A transfer, per buffer::
 
 A connection that closes ends its leases: what the peer may still map is never
 written again.
+
+Backpressure: a peer that stops reading (frozen) releases nothing, so a sender
+would fill memory with segments for it.  Past ``MAX_LEASED`` bytes leased to one
+peer (one buffer of any size is always let in), buffers go through the socket instead, whose writer bounds what waits and
+fails calls at their deadlines (``writer.py``).
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ from . import segments
 log = logging.getLogger("torchwire")
 
 MIN_SIZE = 2 << 20  # below this, mapping + unmapping costs more than CMA's copy
+MAX_LEASED = 2 << 30  # bytes of segments one peer may hold before the socket is used
 
 
 @register
@@ -59,6 +65,9 @@ class ShmChannel(Channel):
 
     def encode(self, conn, frame: OutFrame, t, n: int) -> bool:
         if len(frame.fds) >= MAX_FDS:
+            return False
+        leased = segments.leased_bytes(conn)
+        if leased and leased + n > MAX_LEASED:
             return False
         try:
             seg_id, seg_size, offset, how, fd = segments.export(t, n, conn)
