@@ -235,22 +235,30 @@ class RpcAgent:
                 f"message of {len(payload)} bytes + tensors exceeds max_message_size "
                 f"{self.max_message_size}")
         fut = SyncReply() if sync else Future()
+        # one deadline for connecting, writing and the reply
+        deadline = time.monotonic() + timeout if timeout > 0 else None
         try:
-            conn = self.links.connection_to(peer)
-        except (WorkerUnavailableError, RpcStateError) as exc:
+            conn = self.links.connection_to(peer, deadline)
+        except (WorkerUnavailableError, RpcStateError, RpcTimeoutError) as exc:
             if sent is not None:
                 sent.abort()
+            if isinstance(exc, RpcTimeoutError):
+                exc = self.pending.timeout_error(peer, timeout, func, str(exc))
             fut.set_exception(exc)
             return fut
         # ``sent`` rides along: it pins what must stay alive until the reply (RRefs)
         rid = self.pending.add(fut, peer, conn, timeout, func,
-                               sent if pin is None else (sent, pin))
+                               sent if pin is None else (sent, pin), deadline)
         try:
-            conn.send_frame(_K_REQUEST, flags, rid, payload, tensors)
-        except LinkError as exc:
+            conn.send_frame(_K_REQUEST, flags, rid, payload, tensors, deadline)
+        except (LinkError, RpcTimeoutError) as exc:
             if sent is not None:
                 sent.abort()
-            self.pending.fail(rid, self.unavailable(peer, f"connection lost: {exc}"))
+            if isinstance(exc, RpcTimeoutError):
+                err = self.pending.timeout_error(peer, timeout, func, str(exc))
+            else:
+                err = self.unavailable(peer, f"connection lost: {exc}")
+            self.pending.fail(rid, err)
             return fut
         c = self.counters
         with c.lock:  # (Counters.count_sent, inlined: every call's path)

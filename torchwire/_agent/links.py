@@ -3,34 +3,71 @@
 Every worker listens on TCP and on an abstract Unix socket.  A connection is made
 on first use: a Unix socket when the peer's host identity (boot id + network
 namespace) equals ours, TCP otherwise.  Each side sends its requests on the
-connection it opened (``_Out``) and replies on the connection a request arrived on
-(``incoming``), so two workers calling each other at once never race to share one
-socket.  A TCP connection may open a second one, a *lane*, for the second half of
-large buffers.  Every connection, dialled or accepted, is made by one factory
-(:meth:`Links._make`), which also chooses its channels.
+connection it opened (the link's ``conn``) and replies on the connection a request
+arrived on (``incoming``), so two workers calling each other at once never race to
+share one socket.  A TCP connection may open a second one, a *lane*, for the second
+half of large buffers.  Every connection, dialled or accepted, is made by one
+factory (:meth:`Links._make`), which also chooses its channels.
 
-One outgoing link::
+One link (this worker's view of one peer), :class:`LinkState`::
 
-    NONE  --first call: dial, handshake-->  OPEN  --closed or lost-->  NONE
-    NONE  --dial or handshake failed-->  NONE (the peer is marked down: calls fail fast)
-    (a DOWN peer is redialled by the liveness thread only: ``reconnect``)
+    IDLE --a call needs it--> CONNECTING --socket open--> AUTHENTICATING --handshake--> UP
+    UP --no traffic for heartbeat_interval: PING sent--> SUSPECT --traffic--> UP
+    UP, SUSPECT --connection ended without GOODBYE, or silent for
+                 heartbeat_timeout--> DOWN
+    CONNECTING, AUTHENTICATING --unreachable, reset, or the attempt's own time
+                 (handshake_timeout) ran out--> DOWN
+    CONNECTING, AUTHENTICATING --the caller's deadline came first--> IDLE (or DOWN, as
+                 it was; nothing is learnt of the peer)
+    CONNECTING, AUTHENTICATING --refused by its host, or failed authentication--> DEAD
+    DOWN --the next call, once the backoff has passed (at most 1 s), or the monitor's
+                 background retry--> CONNECTING
+    DOWN --a connection from the peer completed its handshake--> IDLE (reached again)
+    UP --GOODBYE (an orderly close)--> IDLE
+    any --the peer left the group--> (the link is dropped)
 
-A connection that ends without the peer's GOODBYE means the peer is lost
-(``RpcAgent.peer_lost``).  Connections with a member that was dropped from a
-dynamic group are *retired*: their end says nothing about a newcomer that took the
-rank.
+=======================  =====================  =========================================
+transition               owner thread           reason in ``WorkerUnavailableError``
+=======================  =====================  =========================================
+IDLE/DOWN → CONNECTING   the calling thread     —
+CONNECTING → DOWN        the calling thread     ``cannot connect: <OS error>``
+AUTHENTICATING → DOWN    the calling thread     ``cannot connect: handshake ... timed out``
+→ DEAD                   the calling thread     ``its listener refused the connection``
+                                                or ``handshake failed: <why>``
+UP ↔ SUSPECT             the monitor thread     —
+UP/SUSPECT → DOWN        the connection's       ``connection lost (<why>)``
+                         reader
+UP/SUSPECT → DOWN        the monitor thread     ``no heartbeat for <n> s``
+DOWN → IDLE              the handshake thread   —
+=======================  =====================  =========================================
+
+The dialling thread holds the link's lock; other callers wait for it until their own
+deadlines at most.  A call's deadline bounds connect, handshake and TLS; an attempt
+without one (internal messages, ``timeout=0``) is bounded by ``handshake_timeout``.
+DOWN and DEAD are remembered in :class:`~.liveness.PeerHealth` (with the backoff),
+which the heartbeat and shutdown also read; the other states are the link's own.
+
+Entering DOWN or DEAD is ``RpcAgent.peer_lost``: every call pending on the peer
+fails with ``WorkerUnavailableError`` naming it and the reason; the plug-ins hear of
+it once (RRefs it owned fail, forks it held are released, distributed autograd
+contexts that touched it fail, as ``docs/architecture.md``'s failure model says).
+Connections with a member that was dropped from a dynamic group are *retired*:
+their end says nothing about a newcomer that took the rank.
 """
 
 from __future__ import annotations
 
+import enum
 import logging
 import socket
 import threading
+import time
 import weakref
 
 import torch
 
-from .._base.errors import ConnectError, LinkError, RpcStateError, WorkerUnavailableError
+from .._base.errors import (ConnectError, LinkError, RpcStateError, RpcTimeoutError,
+                            WorkerUnavailableError)
 from .._base.options import channel_allowed
 from .._wire.auth import client_handshake, server_handshake
 from .._wire.channels import segments
@@ -38,20 +75,39 @@ from .._wire.channels.lanes import LaneRegistry
 from .._wire.channels.link import ChannelSet
 from .._wire.connection import Connection
 from .._wire.listener import connect_tcp, connect_unix
+from .liveness import PeerState
 from .state import AgentState
 
 log = logging.getLogger("torchwire")
 
 
-class _Out:
-    """The connection this worker opened to one peer (``conn``), and the lock its
-    dialling holds."""
+_BACKGROUND_ATTEMPT = 1.0  # seconds one background attempt to reach a DOWN peer may take
+_CONNECT_TRY = 1.0  # seconds per TCP connect try: a SYN lost in a cut is resent this soon
+_UNREACHABLE_PAUSE = 0.1  # seconds between tries that fail at once ("no route to host")
 
-    __slots__ = ("lock", "conn")
+
+class LinkState(enum.Enum):
+    """A link's state (the diagram in the module docstring)."""
+
+    IDLE = "idle"
+    CONNECTING = "connecting"
+    AUTHENTICATING = "authenticating"
+    UP = "up"
+    SUSPECT = "suspect"
+    DOWN = "down"
+    DEAD = "dead"
+
+
+class _Link:
+    """This worker's link to one peer: the connection it opened (``conn``), the lock
+    its dialling holds, and its phase (the states that are not DOWN or DEAD)."""
+
+    __slots__ = ("lock", "conn", "phase")
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.conn = None
+        self.phase = LinkState.IDLE
 
 
 class LoopbackConnection:
@@ -68,7 +124,7 @@ class LoopbackConnection:
     def __repr__(self) -> str:
         return f"<LoopbackConnection rank={self.peer_rank}>"
 
-    def send_frame(self, kind, flags, request_id, payload, tensors=()) -> None:
+    def send_frame(self, kind, flags, request_id, payload, tensors=(), deadline=None) -> None:
         copies = [t.reshape(-1).view(torch.uint8).clone() if t.numel() else
                   torch.empty(0, dtype=torch.uint8) for t in tensors]
         self._on_frames(self, [(kind, flags, request_id, payload, copies)], False)
@@ -99,7 +155,7 @@ class Links:
         self.listener = listener
         self.job = job
         self._lock = threading.Lock()
-        self._out: dict[int, _Out] = {}
+        self._out: dict[int, _Link] = {}
         self.incoming: set = set()
         self.lanes_out: list[Connection] = []
         self._retired: weakref.WeakSet = weakref.WeakSet()
@@ -123,11 +179,38 @@ class Links:
 
     # ------------------------------------------------------------------ outgoing
 
-    def connection_to(self, rank: int):
+    def state(self, rank: int) -> LinkState:
+        """The state of the link to ``rank`` (the module docstring's machine)."""
+        health = self._agent.health
+        if health.state(rank) is PeerState.DEAD:
+            return LinkState.DEAD
+        link = self._out.get(rank)
+        phase = link.phase if link is not None else LinkState.IDLE
+        if health.is_down(rank) and phase not in (LinkState.CONNECTING,
+                                                  LinkState.AUTHENTICATING):
+            return LinkState.DOWN
+        return phase
+
+    def suspect(self, conn, late: bool) -> None:
+        """Monitor thread: the connection we opened to a peer fell silent (``late``)
+        or spoke again."""
+        link = self._out.get(conn.peer_rank)
+        if link is not None and link.conn is conn:
+            if late and link.phase is LinkState.UP:
+                link.phase = LinkState.SUSPECT
+            elif not late and link.phase is LinkState.SUSPECT:
+                link.phase = LinkState.UP
+
+    def connection_to(self, rank: int, deadline: float | None = None):
         """The connection requests to ``rank`` go on, made on first use.
 
+        Args:
+            deadline: the caller's (``time.monotonic()``); None: none of its own (an
+                attempt is bounded by ``handshake_timeout``).
+
         Raises:
-            WorkerUnavailableError: the peer is down, gone, or cannot be reached now.
+            WorkerUnavailableError: the peer is dead, gone, or cannot be reached now.
+            RpcTimeoutError: ``deadline`` passed while connecting.
             RpcStateError: the agent is shut down.
         """
         out = self._out.get(rank)
@@ -135,19 +218,22 @@ class Links:
             conn = out.conn
             if conn is not None and not conn.closed:
                 return conn
-        return self._dial(rank)
+        return self._dial(rank, deadline)
 
-    def _dial(self, rank: int):
+    def _dial(self, rank: int, deadline: float | None):
         agent = self._agent
         member = agent.names.member(rank)
         if member is None:  # it left a dynamic group (a static one checks ranks before)
             raise agent.names.gone_error(rank)
-        agent.health.check(rank)  # a peer known to be down fails at once, unlocked
+        agent.health.gate(rank, deadline)  # dead: fails at once; down: after the backoff
         with self._lock:
             out = self._out.get(rank)
             if out is None:
-                out = self._out[rank] = _Out()
-        with out.lock:
+                out = self._out[rank] = _Link()
+        if not _acquire(out.lock, deadline):
+            raise RpcTimeoutError(f"still connecting to {agent.name_of(rank)} (another call "
+                                  "is making the connection)")
+        try:
             conn = out.conn
             if conn is not None and not conn.closed:
                 return conn
@@ -156,17 +242,37 @@ class Links:
             if rank == agent.rank:
                 conn = LoopbackConnection(agent.server.on_frames, rank)
             else:
-                agent.health.check(rank)
-                try:
-                    conn = self._connect(member)
-                except WorkerUnavailableError as exc:
-                    agent.peer_lost(rank, *agent.health.connect_failed(rank, exc))
-                    raise
+                agent.health.gate(rank, deadline)  # the dial we waited for may have failed
+                conn = self._attempt(out, member, deadline)
             out.conn = conn
+            out.phase = LinkState.UP
+        finally:
+            out.lock.release()
+        return conn
+
+    def _attempt(self, out: _Link, member, deadline: float | None) -> Connection:
+        """One attempt to reach ``member``, under ``out.lock``: its outcome moves the
+        link (and the peer's health) as the state machine says."""
+        agent = self._agent
+        rank = member.info.id
+        out.phase = LinkState.CONNECTING
+        try:
+            conn = self._connect(member, deadline=deadline, link=out)
+        except WorkerUnavailableError as exc:
+            out.phase = LinkState.IDLE
+            why, dead = agent.health.connect_failed(rank, exc)
+            agent.peer_lost(rank, why, dead)
+            agent.health.attempt_failed(rank)
+            raise agent.unavailable(rank, why) from exc.__cause__
+        except BaseException:
+            out.phase = LinkState.IDLE
+            raise
+        agent.health.mark_up(rank)
         return conn
 
     def reconnect(self, rank: int) -> None:
-        """Liveness thread: try to reach a peer that is down again.
+        """Monitor thread: try to reach a DOWN peer in the background (skipped while a
+        call is connecting to it).
 
         Raises:
             WorkerUnavailableError: it is still out of reach.
@@ -176,37 +282,57 @@ class Links:
         if member is None:
             return  # it left the group
         with self._lock:
-            out = self._out.setdefault(rank, _Out())
-        with out.lock:  # callers do not wait on it: they see the peer down first
+            out = self._out.setdefault(rank, _Link())
+        if not out.lock.acquire(blocking=False):
+            return  # a call is trying: that attempt counts
+        try:
             if agent.state is AgentState.CLOSED:
                 return
             if out.conn is None or out.conn.closed:
-                out.conn = self._connect(member)
-        agent.health.mark_up(rank)
+                # short, so that it never keeps a call made after a heal waiting
+                out.conn = self._attempt(out, member, time.monotonic() + _BACKGROUND_ATTEMPT)
+                out.phase = LinkState.UP
+            else:
+                agent.health.mark_up(rank)
+        finally:
+            out.lock.release()
 
-    def _connect(self, member, lane: bool = False) -> Connection:
-        """Dial ``member`` and run the handshake: a new, started connection.
+    def _connect(self, member, lane: bool = False, deadline: float | None = None,
+                 link: _Link | None = None) -> Connection:
+        """Dial ``member`` and run the handshake: a new, started connection.  The
+        attempt ends at ``deadline`` or after ``handshake_timeout``, whichever is first.
 
         Raises:
             WorkerUnavailableError: it cannot be reached, or the handshake failed.
+            RpcTimeoutError: ``deadline`` (sooner than the attempt's own) passed.
         """
         agent = self._agent
         rec, rank = member.record, member.info.id
-        timeout = min(agent.rpc_timeout, 30.0) if agent.rpc_timeout > 0 else 30.0
+        own = time.monotonic() + self.job.timeout
+        capped = deadline is not None and deadline <= own  # the caller's time is shorter
+        limit = deadline if capped else own
         try:
+            left = limit - time.monotonic()
+            if left <= 0:
+                raise ConnectError("no time left to connect", timed_out=True)
             if rec.host == agent.host and rec.unix and self._use_unix and not lane:
-                sock = connect_unix(rec.unix, timeout)
+                sock = connect_unix(rec.unix, left)
                 transport = "unix"
             else:
-                sock = connect_tcp(rec.tcp, timeout)
+                sock = _connect_tcp(rec.tcp, limit)
                 transport = "tcp"
+            if link is not None:
+                link.phase = LinkState.AUTHENTICATING
             try:
                 sock = client_handshake(sock, agent.rank, self.job, rank,
-                                        transport=transport, host=rec.tcp[0])
+                                        transport=transport, host=rec.tcp[0], deadline=limit)
             except BaseException:
                 sock.close()
                 raise
         except LinkError as exc:
+            if capped and getattr(exc, "timed_out", False):
+                raise RpcTimeoutError(f"could not connect to {agent.name_of(rank)} in time: "
+                                      f"{exc}") from exc
             raise agent.unavailable(rank, f"cannot connect: {exc}") from exc
         except Exception as exc:  # AuthenticationError, ProtocolError
             raise agent.unavailable(rank, f"handshake failed: {exc}") from exc
@@ -305,9 +431,9 @@ class Links:
                 self.lanes_out.remove(conn)
         out = self._out.get(conn.peer_rank)
         if out is not None and out.conn is conn:
-            with out.lock:
-                if out.conn is conn:
-                    out.conn = None
+            # not under its lock: a dial may hold it while this reader must go on
+            out.conn = None
+            out.phase = LinkState.IDLE
         if conn.initiated:
             why = f"connection lost ({exc})" if exc is not None else "connection closed"
             if agent.state is AgentState.CLOSED:
@@ -385,3 +511,39 @@ class Links:
         for c in conns:
             c.join(2.0)
         segments.clear()  # released segments; leased ones close when their mappings go
+
+
+def _acquire(lock: threading.Lock, deadline: float | None) -> bool:
+    """Take ``lock`` before ``deadline`` (None: as long as it takes)."""
+    if deadline is None:
+        return lock.acquire()
+    return lock.acquire(timeout=max(0.0, deadline - time.monotonic()))
+
+
+def _connect_tcp(address, limit: float) -> socket.socket:
+    """A TCP connection made before ``limit``, by tries of ``_CONNECT_TRY`` seconds.
+
+    The kernel resends a SYN lost in a cut only after 1, 3, 7 ... s, and after a cut
+    it may answer the first try with "no route to host" from what it learnt while
+    the link was down: new tries find a healed link within a second.  Only a refusal
+    (nothing listens: the process is gone) ends the tries early.
+
+    Raises:
+        ConnectError: refused, or ``limit`` passed (``timed_out``; naming the last
+            error seen).
+    """
+    last = None
+    while True:
+        left = limit - time.monotonic()
+        if left <= 0:
+            why = f" (last try: {last})" if last is not None else ""
+            raise ConnectError(f"connecting to {address[0]}:{address[1]} timed out{why}",
+                               timed_out=True)
+        try:
+            return connect_tcp(address, min(left, _CONNECT_TRY))
+        except ConnectError as exc:
+            if exc.refused:
+                raise
+            last = exc
+            if not exc.timed_out:  # failed at once: unreachable, reset; pause a little
+                time.sleep(min(_UNREACHABLE_PAUSE, max(0.0, limit - time.monotonic())))

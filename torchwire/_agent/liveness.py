@@ -1,30 +1,35 @@
-"""Which peers are reachable: the heartbeat, remembered losses, reconnection.
+"""Which peers are reachable: the heartbeat, remembered losses, the reconnection gate.
 
 The agent reports every sign of a lost peer here (a connection that ended
 without a GOODBYE, a connection that could not be made, a heartbeat that went
-silent); :class:`PeerHealth` remembers the peer as *down*, so new calls to it
-fail at once instead of each one trying to connect, and the agent fails what
-depended on it (``RpcAgent.peer_lost``).
-
-Peer states::
+silent); :class:`PeerHealth` remembers the peer as *down* and the agent fails
+what depended on it (``RpcAgent.peer_lost``).  These are the DOWN and DEAD
+states of a link's state machine (written out in ``links.py``)::
 
     UP    --loss-->  DOWN  --reconnected (either side)-->  UP
-                     DOWN  --its listener refused us-->    DEAD (final)
+                     DOWN  --its listener refused us, or it failed our
+                             authentication-->              DEAD (final)
 
-A refused connection is proof that the process is gone (its listening socket
-is closed), so a DEAD peer is never tried again.  A DOWN peer may only be cut
-off (a link down, packets dropped): a background attempt reconnects it every
-``retry_interval`` seconds, one attempt at a time, so a restored link works
-again for new calls.
+A refused connection is proof that the process is gone (its listening socket is
+closed), so a DEAD peer fails every call at once.  A DOWN peer may only be cut off
+(a link down, packets dropped, a frozen process): the next call to it connects
+again (:meth:`PeerHealth.gate`).  Attempts are spaced by a backoff: the first
+retry after a loss is immediate, each failed attempt doubles the pause from
+``_BACKOFF_MIN`` up to ``_BACKOFF_MAX`` (1 s).  A call whose deadline comes before
+the next attempt fails at once; one whose deadline allows it waits for the attempt.
+The monitor thread also retries DOWN peers in the background on the same schedule,
+so a healed link is found even when nobody calls.
 
 Heartbeat (``heartbeat_interval`` / ``heartbeat_timeout`` in the options): every
 interval the monitor thread looks at what each open connection has received.
 Traffic is the evidence: a connection that received anything since the last
-look costs nothing.  One idle for an interval gets a PING (a 32-byte CONTROL
-frame; the peer's reader answers PONG without involving its agent); one silent
-for ``heartbeat_timeout`` means the peer is frozen or unreachable, and it is
-reported lost.  Both ends ping, so an idle pair exchanges one frame each way per
-interval.  A long transfer is not silence: the reader counts its progress.
+look costs nothing.  One idle for an interval is *suspect*: it gets a PING (a
+32-byte CONTROL frame; the peer's reader answers PONG without involving its
+agent); one silent for ``heartbeat_timeout`` means the peer is frozen or
+unreachable, and it is reported lost.  Both ends ping, so an idle pair
+exchanges one frame each way per interval.  A long transfer is not silence: the
+reader counts its progress.  A call's own timeout does not wait for the
+heartbeat: calls fail at their deadlines whatever the link's state.
 """
 
 from __future__ import annotations
@@ -34,10 +39,13 @@ import logging
 import threading
 import time
 
-from .._base.errors import AuthenticationError, ConnectError, RpcStateError, WorkerUnavailableError
+from .._base.errors import AuthenticationError, ConnectError, RpcStateError, RpcTimeoutError
 from .._wire import frame as F
 
 log = logging.getLogger("torchwire")
+
+_BACKOFF_MIN = 0.05  # seconds between the first failed attempt and the next
+_BACKOFF_MAX = 1.0  # the longest pause between attempts to reach a DOWN peer
 
 
 class PeerState(enum.Enum):
@@ -63,13 +71,13 @@ class PeerHealth:
         self._agent = agent
         self.interval = float(interval)
         self.timeout = float(timeout) if interval > 0 else 0.0
-        self.retry_interval = max(min(self.interval, 1.0), 0.2) if interval > 0 else 1.0
         self._lock = threading.Lock()
         self._down: dict[int, str] = {}  # rank -> why
         self._dead: set[int] = set()
         self.ever_down: set[int] = set()  # for shutdown: their traffic may have been lost
         self._retrying: set[int] = set()
-        self._next_retry: dict[int, float] = {}
+        self._next_retry: dict[int, float] = {}  # rank -> when it may be tried again
+        self._backoff: dict[int, float] = {}  # rank -> pause after its next failure
         self._seen: dict = {}  # connection -> (evidence mark, monotonic time it changed)
         self._pinging: set = set()
         self._stop = threading.Event()
@@ -112,6 +120,36 @@ class PeerHealth:
         if why is not None:
             raise self._agent.unavailable(rank, why)
 
+    def gate(self, rank: int, deadline: float | None) -> None:
+        """Before connecting to ``rank``: return when an attempt may be made.
+
+        A DOWN peer is tried again once its backoff has passed (waited for here,
+        at most ``_BACKOFF_MAX``); a DEAD one never.
+
+        Raises:
+            WorkerUnavailableError: it is dead, or ``deadline`` comes before its next
+                attempt.
+        """
+        why = self._down.get(rank)
+        if why is None:
+            return
+        if rank in self._dead:
+            raise self._agent.unavailable(rank, why)
+        wait = self._next_retry.get(rank, 0.0) - time.monotonic()
+        if wait <= 0:
+            return
+        if deadline is not None and time.monotonic() + wait > deadline:
+            raise self._agent.unavailable(rank, f"{why} (next attempt to reconnect in "
+                                                f"{wait:.2f} s, after this call's deadline)")
+        self._stop.wait(wait)
+
+    def attempt_failed(self, rank: int) -> None:
+        """An attempt to reach DOWN ``rank`` failed: pause before the next one."""
+        with self._lock:
+            pause = self._backoff.get(rank, _BACKOFF_MIN)
+            self._next_retry[rank] = time.monotonic() + pause
+            self._backoff[rank] = min(pause * 2, _BACKOFF_MAX)
+
     def mark_down(self, rank: int, why: str, dead: bool = False) -> bool:
         """Remember ``rank`` as down (``dead``: for good); True if it was up."""
         with self._lock:
@@ -121,7 +159,9 @@ class PeerHealth:
             self.ever_down.add(rank)
             if dead:
                 self._dead.add(rank)
-            self._next_retry[rank] = time.monotonic() + self.retry_interval
+            if first:  # the first attempt to reach it again may be made at once
+                self._next_retry[rank] = time.monotonic()
+                self._backoff[rank] = _BACKOFF_MIN
         return first
 
     def mark_up(self, rank: int) -> None:
@@ -129,6 +169,7 @@ class PeerHealth:
         with self._lock:
             if rank in self._dead or self._down.pop(rank, None) is None:
                 return
+            self._backoff.pop(rank, None)
         log.warning("torchwire: %s reaches %s again", self._agent.name,
                     self._agent.name_of(rank))
 
@@ -139,6 +180,7 @@ class PeerHealth:
             self._dead.discard(rank)
             self.ever_down.discard(rank)
             self._next_retry.pop(rank, None)
+            self._backoff.pop(rank, None)
 
     def connect_failed(self, rank: int, exc: BaseException) -> tuple[str, bool]:
         """Why a connection to ``rank`` could not be made, and whether that is final.
@@ -177,6 +219,8 @@ class PeerHealth:
             old = self._seen.get(c)
             if old is None or old[0] != mark:
                 seen[c] = (mark, now)
+                if old is not None and now - old[1] >= self.interval * 0.9:
+                    agent.links.suspect(c, False)  # it spoke again
                 continue
             seen[c] = old
             silent = now - old[1]
@@ -184,6 +228,7 @@ class PeerHealth:
                 agent.peer_lost(c.peer_rank, f"no heartbeat for {silent:.1f} s (heartbeat_"
                                  f"timeout={self.timeout:g} s): frozen or unreachable")
             elif silent >= self.interval * 0.9 and c not in self._pinging:
+                agent.links.suspect(c, True)
                 self._pinging.add(c)
                 try:
                     # on the pool: a write to a frozen peer may block its writer
@@ -209,17 +254,16 @@ class PeerHealth:
                              name=f"torchwire-reconnect-{rank}").start()
 
     def _reconnect(self, rank: int) -> None:
+        """A background attempt (its own thread): a failure moves the backoff on
+        (``Links._attempt``); one cut short by its bound does so here."""
         agent = self._agent
         try:
             agent.reconnect(rank)
-        except WorkerUnavailableError as exc:
-            why, dead = self.connect_failed(rank, exc)
-            if dead:
-                self.mark_down(rank, why, dead=True)
-            log.debug("torchwire: %s: reconnecting to rank %d failed: %s", agent.name, rank, exc)
+        except RpcTimeoutError as exc:
+            self.attempt_failed(rank)
+            log.debug("torchwire: %s: reconnecting to rank %d: %s", agent.name, rank, exc)
         except Exception as exc:
             log.debug("torchwire: %s: reconnecting to rank %d failed: %s", agent.name, rank, exc)
         finally:
             with self._lock:
                 self._retrying.discard(rank)
-                self._next_retry[rank] = time.monotonic() + self.retry_interval

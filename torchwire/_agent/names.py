@@ -98,7 +98,7 @@ class NameTable:
         """The error of a call to ``rank`` that cannot be made or completed, and why."""
         name = self.name_of(rank)
         return WorkerUnavailableError(f"worker {name} (rank {rank}) is unavailable: {why}",
-                                      worker_name=name)
+                                      worker_name=name, reason=why)
 
     def gone_error(self, rank: int) -> WorkerUnavailableError:
         gone = self._departed.get(rank)

@@ -71,15 +71,20 @@ class PendingCalls:
     def __len__(self) -> int:
         return len(self._table)
 
-    def add(self, future, peer: int, conn, timeout: float, func, pin) -> int:
-        """Store a call (before it is sent); returns its request id."""
+    def add(self, future, peer: int, conn, timeout: float, func, pin,
+            deadline: float | None = None) -> int:
+        """Store a call (before it is sent); returns its request id.  Its deadline is
+        ``deadline`` if given (the call's start + ``timeout``: connecting counted), else
+        ``timeout`` from now (``timeout`` <= 0: none)."""
         rid = next(self._rids)
         # PendingCall(...) without its __init__: a Python call less on every call's path
         call = _new(PendingCall)
         call.future, call.tick, call.peer, call.conn = future, None, peer, conn
         call.timeout, call.func, call.pin = timeout, func, pin
         self._table[rid] = call
-        if timeout > 0:
+        if deadline is not None:
+            call.tick = self._timer.add(rid, deadline)
+        elif timeout > 0:
             call.tick = self._timer.add(rid, time.monotonic() + timeout)
         return rid
 
@@ -160,11 +165,16 @@ class PendingCalls:
             call = self._table.pop(rid, None)
             if call is None:
                 continue
-            call.future.set_exception(RpcTimeoutError(
-                f"RPC ran for more than set timeout ({int(call.timeout * 1000)} ms) and will "
-                f"now be marked with an error (call to {self._name_of(call.peer)}: "
-                f"{func_name(call.func)})"))
+            call.future.set_exception(self.timeout_error(call.peer, call.timeout, call.func))
         self._note_idle()
+
+    def timeout_error(self, peer: int, timeout: float, func, detail: str = "",
+                      ) -> RpcTimeoutError:
+        """The error of a call to ``peer`` whose ``timeout`` passed (torch's words)."""
+        more = f"; {detail}" if detail else ""
+        return RpcTimeoutError(
+            f"RPC ran for more than set timeout ({int(timeout * 1000)} ms) and will now be "
+            f"marked with an error (call to {self._name_of(peer)}: {func_name(func)}{more})")
 
 
 _new = object.__new__

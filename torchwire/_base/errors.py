@@ -74,11 +74,15 @@ class WorkerUnavailableError(TorchwireError, RuntimeError):
 
     Attributes:
         worker_name: name of the worker that is unavailable (``None`` if unknown).
+        reason: why, in words (its link's last transition: "connection lost (...)",
+            "no heartbeat for ...", "cannot connect: ...", "its listener refused ...").
     """
 
-    def __init__(self, message: str, worker_name: str | None = None) -> None:
+    def __init__(self, message: str, worker_name: str | None = None,
+                 reason: str | None = None) -> None:
         super().__init__(message)
         self.worker_name = worker_name
+        self.reason = reason
 
 
 class RpcTimeoutError(TorchwireError, RuntimeError):
@@ -116,11 +120,14 @@ class ConnectError(ConnectionBrokenError):
     Attributes:
         refused: nothing listens at the peer's address any more (its process is
             gone); retrying cannot help.
+        timed_out: the attempt ran out of time (the peer may be frozen or cut off,
+            or the deadline was short): retrying may help.
     """
 
-    def __init__(self, message: str, refused: bool = False) -> None:
+    def __init__(self, message: str, refused: bool = False, timed_out: bool = False) -> None:
         super().__init__(message)
         self.refused = refused
+        self.timed_out = timed_out
 
 
 class SerializationError(TorchwireError, RuntimeError):

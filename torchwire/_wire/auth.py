@@ -199,7 +199,8 @@ def _link_errors(peer: str, timeout: float):
     try:
         yield
     except socket.timeout as exc:
-        raise ConnectError(f"handshake with {peer} timed out after {timeout:g}s") from exc
+        raise ConnectError(f"handshake with {peer} timed out after {timeout:g}s",
+                           timed_out=True) from exc
     except ssl.SSLError as exc:
         raise ConnectError(f"TLS handshake with {peer} failed: {exc}") from exc
     except EOFError as exc:
@@ -213,8 +214,12 @@ def _link_errors(peer: str, timeout: float):
 
 
 def client_handshake(sock: socket.socket, my_rank: int, auth: JobAuth, expect_rank: int, *,
-                     transport: str = "tcp", host: str | None = None):
+                     transport: str = "tcp", host: str | None = None,
+                     deadline: float | None = None):
     """Open a connection we initiated: prove our key, check the server's.
+
+    ``deadline`` (``time.monotonic()``): the caller's, when sooner than the job's
+    ``handshake_timeout`` from now.
 
     Returns:
         The socket to use from now on (a :class:`TlsSocket` on a TLS link).
@@ -225,8 +230,9 @@ def client_handshake(sock: socket.socket, my_rank: int, auth: JobAuth, expect_ra
         ConnectError: the handshake timed out, or TLS failed.
         ConnectionBrokenError: the server closed or reset the connection.
     """
-    deadline = time.monotonic() + auth.timeout
-    with _link_errors(_peer(sock), auth.timeout):
+    own = time.monotonic() + auth.timeout
+    deadline = own if deadline is None else min(own, deadline)
+    with _link_errors(_peer(sock), max(0.0, deadline - time.monotonic())):
         if auth.tls is not None and transport == "tcp":
             sock = auth.tls.wrap(sock, server_side=False, hostname=host, deadline=deadline)
         _, body = _recv_frame(sock, F.K_CHALLENGE, CHALLENGE.size, deadline)

@@ -178,7 +178,9 @@ def connect_unix(address: str, timeout: float) -> socket.socket:
 
 
 def _connect_error(exc: OSError) -> ConnectError:
-    return ConnectError(str(exc), refused=isinstance(exc, ConnectionRefusedError))
+    return ConnectError(str(exc) or type(exc).__name__,
+                        refused=isinstance(exc, ConnectionRefusedError),
+                        timed_out=isinstance(exc, TimeoutError))
 
 
 def listener_alive(tcp, unix: str | None = None, timeout: float = 2.0) -> bool:
