@@ -82,6 +82,7 @@ log = logging.getLogger("torchwire")
 
 
 _BACKGROUND_ATTEMPT = 1.0  # seconds one background attempt to reach a DOWN peer may take
+_LANE_ATTEMPT = 0.5  # seconds opening a lane may take (a healthy peer needs milliseconds)
 _CONNECT_TRY = 1.0  # seconds per TCP connect try: a SYN lost in a cut is resent this soon
 _UNREACHABLE_PAUSE = 0.1  # seconds between tries that fail at once ("no route to host")
 
@@ -369,7 +370,10 @@ class Links:
         member = agent.names.member(rank)
         if member is None:
             raise agent.names.gone_error(rank)
-        conn = self._connect(member, lane=True)
+        # A lane opens inside a send, whose deadline the channel does not know: a
+        # short bound keeps a frozen peer from holding that send (no lane: the whole
+        # buffer goes on the connection).
+        conn = self._connect(member, lane=True, deadline=time.monotonic() + _LANE_ATTEMPT)
         with self._lock:
             if agent.state is AgentState.CLOSED:
                 conn.close()

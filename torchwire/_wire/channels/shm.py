@@ -27,8 +27,9 @@ written again.
 
 Backpressure: a peer that stops reading (frozen) releases nothing, so a sender
 would fill memory with segments for it.  Past ``MAX_LEASED`` bytes leased to one
-peer (one buffer of any size is always let in), buffers go through the socket instead, whose writer bounds what waits and
-fails calls at their deadlines (``writer.py``).
+peer (one buffer of any size is always let in), buffers go through the socket
+instead, whose writer bounds what waits and fails calls at their deadlines
+(``writer.py``).
 """
 
 from __future__ import annotations
