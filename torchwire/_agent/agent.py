@@ -393,10 +393,6 @@ class RpcAgent:
             except RpcStateError:
                 pass  # the pool is shut down: so is everything the hook would fix
 
-    def reconnect(self, rank: int) -> None:
-        """Liveness thread: try to reach a peer that is down again (``links.reconnect``)."""
-        self.links.reconnect(rank)
-
     def open_connections(self) -> list:
         """Every socket connection, in and out (for the heartbeat)."""
         return self.links.open_connections()

@@ -61,7 +61,8 @@ class PeerHealth:
 
     Args:
         agent: the :class:`RpcAgent` (its public methods: ``open_connections``,
-            ``reconnect``, ``peer_lost``, ``defer``, ``unavailable``, ``name_of``).
+            ``peer_lost``, ``defer``, ``unavailable``, ``name_of``; its ``links``:
+            ``reconnect``, ``suspect``).
         interval: seconds between looks at the connections; 0 disables the heartbeat
             (reconnection attempts then run every second).
         timeout: seconds of silence after which a connection's peer is lost.
@@ -258,7 +259,7 @@ class PeerHealth:
         (``Links._attempt``); one cut short by its bound does so here."""
         agent = self._agent
         try:
-            agent.reconnect(rank)
+            agent.links.reconnect(rank)
         except RpcTimeoutError as exc:
             self.attempt_failed(rank)
             log.debug("torchwire: %s: reconnecting to rank %d: %s", agent.name, rank, exc)
