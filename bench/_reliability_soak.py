@@ -138,7 +138,7 @@ def run_soak_and_fuzz(args, log, repo: str) -> int:
     log(f"fuzz: {args.fuzz_examples} examples per property")
     fuzz = run_fuzz(args.fuzz_examples, repo, log)
     meta = {"checkout": head, "date": f"{started:%Y-%m-%d %H:%M %Z}", "machine": R.machine(),
-            "command": "./run reliability " + " ".join(args.argv),
+            "command": ("./run reliability " + " ".join(args.argv)).strip(),
             "wall": time.monotonic() - t0}
     section = soak_section(soak, fuzz, args, meta)
     print(section)

@@ -72,7 +72,8 @@ def run_faults(args, log) -> int:
                     f"{'skipped' if run.get('skipped') else 'PASS' if not fails else 'FAIL'}"
                     f" ({run['s']:.0f} s){': ' + '; '.join(fails) if fails else ''}")
     meta = {"checkout": head, "date": f"{started:%Y-%m-%d %H:%M %Z}", "machine": R.machine(),
-            "command": "./run reliability " + " ".join(args.argv), "wall": time.monotonic() - t0,
+            "command": ("./run reliability " + " ".join(args.argv)).strip(),
+            "wall": time.monotonic() - t0,
             "runs": args.runs, "guard": check_pickle_runs()}
     section = R.faults_section(results, SCENARIOS, libs, meta)
     print(section)
