@@ -104,6 +104,8 @@ class RRefContext:
         with self._lock:
             if self._dead_forks.pop(fork_id, None) is not None:
                 return False  # its deletion overtook it
+            if self._holder_lost(holder):
+                return False
             entry.forks[fork_id] = holder
             self._owned[entry.rref_id] = entry
             return True
@@ -116,10 +118,20 @@ class RRefContext:
             if entry is None:
                 self._deleted.pop(rref_id, None)
                 entry = Entry(rref_id)
-            if self._dead_forks.pop(fork_id, None) is None:
+            if self._dead_forks.pop(fork_id, None) is None and not self._holder_lost(holder):
                 entry.forks[fork_id] = holder
                 self._owned[rref_id] = entry
             return entry
+
+    def _holder_lost(self, holder: int) -> bool:
+        """``holder`` is down: ``peer_lost`` released (or is about to release) its forks,
+        and its deletions will never come, so a fork of it registered now would leak (a
+        ``remote()`` or FORK message it sent before dying, run only after the loss: its
+        request waited for an argument's confirmation, or lost the race to a pool
+        thread).  Read under ``_lock``: the agent marks the peer down before it runs
+        ``peer_lost``, whose ``forks_of`` takes the lock, so a fork is either refused
+        here or found there."""
+        return holder != self.rank and self.agent.health.is_down(holder)
 
     def del_fork(self, rref_id: Id, fork_id: Id) -> None:
         with self._lock:
