@@ -7,18 +7,29 @@
                    plug-in has control messages to send
                  publish "sd/<r>/<rank>" = requests sent, requests received
                    (and, once some worker is down, the counts per peer)
-                 wait for every rank's round-r record, except from ranks that are
-                   gone (down, found dead, or already left: "sd/exit/<rank>" set)
+                 wait for every rank's round-r record, except from ranks that have
+                   left ("sd/exit/<rank>" set) or that this shutdown gave up on
+                   (proved dead, or a liveness probe could not reach them)
                  after round 0 every worker has arrived: the plug-ins hear it
                    (RRefs: delete every user RRef, as torch does)
                  stop when totals balance (sent == received) and equal the previous
-                 round's: no request is in flight or being served (with ranks gone:
-                 per pair of workers that reach each other)
+                 round's: no request is in flight or being served (with ranks given
+                 up on: per pair of workers that reach each other)
     EXIT:      set "sd/exit/<rank>"; rank 0 (which may host the store) waits until
-               every rank that is not gone has, then all close their sockets.
+               every rank that was not given up on has, then all close their sockets.
+               A warning names the ranks that did not take part: no exit key, and
+               proved dead or no record at all (died, or could not be reached
+               through the whole shutdown).  A rank that published a record or its
+               exit key is not gone.
 
-While waiting, workers that have not reported are checked for life every
-``_LIVENESS_PERIOD``: a dead one ends the wait instead of a hang.
+A rank merely *down* on the links (a heartbeat that went late, a connect that timed
+out under load, a partition that has healed) is not given up on: it may well be
+publishing its records.  While waiting, every rank that has not reported is probed
+every ``_LIVENESS_PERIOD`` (one that is down at once, for ``_DOWN_PROBE`` at most): a
+probe that reaches it clears it; one that proves it dead, or cannot reach it within
+its bound (``handshake_timeout``, or the shutdown's deadline if sooner), ends the wait
+for it instead of a hang.  Every wait ends at the deadline; with none (``timeout=0``)
+a dead or frozen rank still ends it, through the probes.
 """
 
 from __future__ import annotations
@@ -29,10 +40,14 @@ import time
 
 from .._base.errors import RpcStateError, RpcTimeoutError, WorkerUnavailableError
 from .._wire.listener import listener_alive
+from .liveness import PeerState
 
 log = logging.getLogger("torchwire")
 
 _LIVENESS_PERIOD = 1.0  # seconds between liveness checks while shutdown waits
+# Seconds a probe of a peer that is down may take: enough to reach it over a healed
+# link, short, since a frozen peer costs every graceful shutdown this much.
+_DOWN_PROBE = 0.5
 
 
 class Termination:
@@ -40,6 +55,8 @@ class Termination:
 
     def __init__(self, agent) -> None:
         self._agent = agent
+        self._unreachable: set[int] = set()  # ranks the last probe could not reach
+        self._next_probe: dict[int, float] = {}  # rank -> when to probe it again
 
     def __repr__(self) -> str:
         return f"<Termination of {self._agent.name}>"
@@ -72,14 +89,37 @@ class Termination:
                 agent.all_arrived()
             previous = state
         # Exit barrier: rank 0 may host the store, so it leaves last.
-        store.set(f"sd/exit/{agent.rank}", "1")
-        if agent.rank == 0:
-            self._gather([f"sd/exit/{k}" for k in range(world)], deadline)
-        gone = sorted(set(range(world)) - set(records))
+        try:
+            store.set(f"sd/exit/{agent.rank}", "1")
+            if agent.rank == 0:
+                self._gather([f"sd/exit/{k}" for k in range(world)], deadline)
+            gone = self._absent(records)
+        except RpcTimeoutError:
+            raise
+        except Exception as exc:
+            raise self._store_gone(exc) from exc
         if gone:
             names = ", ".join(agent.names.name_of(k) for k in gone)
             log.warning("torchwire: %s shut down gracefully without worker(s) %s (gone or "
                         "cut off)", agent.name, names)
+
+    def _absent(self, records: dict[int, str]) -> list[int]:
+        """The ranks that did not take part in this shutdown: missing from the last
+        round gathered, without an exit key, and either proved dead or without any
+        record.  The others missing left after deciding at another round (views differ
+        once a rank is given up on), or took part but were cut off from this worker."""
+        agent = self._agent
+        store, health = agent.store, agent.health
+        gone = []
+        for k in range(agent.world_size):
+            if k in records or store.check([f"sd/exit/{k}"]):
+                continue
+            if health.state(k) is PeerState.DEAD or not store.check([f"sd/0/{k}"]):
+                gone.append(k)
+            else:
+                log.info("torchwire: %s shut down before %s, which took part but could not "
+                         "be reached to the end", agent.name, agent.names.name_of(k))
+        return gone
 
     def _record(self, full: bool) -> str:
         """This worker's round record (``Counters.shutdown_record``).
@@ -97,24 +137,28 @@ class Termination:
                                f"rendezvous store is gone ({exc})")
 
     def _gather(self, keys: list[str], deadline: float) -> dict[int, bytes]:
-        """Wait for one key per rank, except from ranks that are gone; between waits,
-        check that missing ranks are alive.
+        """Wait for one key per rank, except from ranks that left or that this shutdown
+        gave up on; between waits, probe the missing ranks (module docstring).
 
         Returns:
-            ``{rank: value}`` for the ranks that are not gone.
+            ``{rank: value}`` for the ranks whose key is there.
 
         Raises:
             RpcTimeoutError: ``deadline`` passed or the store is gone.
         """
         agent = self._agent
-        store, health = agent.store, agent.health
-        next_probe = time.monotonic() + _LIVENESS_PERIOD
+        store, health, me = agent.store, agent.health, agent.rank
+        start = time.monotonic()
         delay = 0.001
         while True:
             try:
                 missing = [k for k, key in enumerate(keys) if not store.check([key])]
-                waiting = [k for k in missing if not health.is_down(k)
-                           and not store.check([f"sd/exit/{k}"])]
+                # A rank sets its exit key after its last record: read the record again
+                # when the exit key is there, else one set in between would be missed.
+                left = [k for k in missing if store.check([f"sd/exit/{k}"])]
+                late = {k for k in left if store.check([keys[k]])}
+                missing = [k for k in missing if k not in late]
+                waiting = [k for k in missing if k not in left and not self._given_up(k)]
                 if not waiting:
                     present = [k for k in range(len(keys)) if k not in missing]
                     return dict(zip(present, store.multi_get([keys[k] for k in present])))
@@ -126,26 +170,59 @@ class Termination:
                 raise RpcTimeoutError(
                     f"graceful shutdown of {agent.name} timed out waiting for the other "
                     f"workers to call shutdown() (still waiting for {names})")
-            if now >= next_probe:
-                for k in waiting:
-                    if k != agent.rank:
-                        self._alive(k)  # marks it down if it is not
-                next_probe = time.monotonic() + _LIVENESS_PERIOD
+            # A rank down on the links is probed at once: it may have come back.
+            due = [k for k in waiting if k != me and now >= self._next_probe.get(
+                k, now if health.is_down(k) else start + _LIVENESS_PERIOD)]
+            if due:
+                for k in due:
+                    # Probes take time: one that reported meanwhile (and maybe closed
+                    # its listener on leaving) must not be probed, nor reported lost.
+                    try:
+                        if store.check([keys[k]]) or store.check([f"sd/exit/{k}"]):
+                            continue
+                    except Exception as exc:
+                        raise self._store_gone(exc) from exc
+                    self._probe(k, deadline)
                 continue
             # Polling the store (rather than store.wait) keeps torch's C++ layer from
             # logging a timeout warning on every liveness period.
             time.sleep(min(delay, max(0.0, deadline - now)))
             delay = min(delay * 2, 0.02)
 
-    def _alive(self, rank: int) -> bool:
-        """Shutdown waits for ``rank``: is it alive?  With the heartbeat on, a connection
-        to it settles that (a frozen peer falls silent on it); else a dead listener."""
+    def _given_up(self, rank: int) -> bool:
+        """Has this shutdown stopped waiting for ``rank``: proved dead, or the last
+        probe could not reach it?  Merely down on the links is not enough."""
+        return (rank in self._unreachable
+                or self._agent.health.state(rank) is PeerState.DEAD)
+
+    def _probe(self, rank: int, deadline: float) -> None:
+        """Probe ``rank`` now and schedule its next probe."""
+        if self._alive(rank, deadline):
+            self._unreachable.discard(rank)
+        else:
+            self._unreachable.add(rank)
+        self._next_probe[rank] = time.monotonic() + _LIVENESS_PERIOD
+
+    def _alive(self, rank: int, deadline: float) -> bool:
+        """Shutdown waits for ``rank``: can it be reached?  With the heartbeat on, a
+        connection to it settles that (a frozen peer fails the handshake or falls
+        silent on it); one that is down is dialled again, briefly (``_DOWN_PROBE``): a
+        healed link counts.  Without the heartbeat, a listener that still accepts."""
         agent = self._agent
-        if agent.health.is_down(rank):
+        health = agent.health
+        if health.state(rank) is PeerState.DEAD:
             return False
-        if agent.health.timeout > 0:
+        if health.timeout > 0:
+            limit = deadline
+            if health.is_down(rank):
+                limit = min(deadline, time.monotonic() + _DOWN_PROBE)
             try:
-                agent.links.connection_to(rank)
+                if limit == float("inf"):
+                    agent.links.connection_to(rank)  # bounded by handshake_timeout
+                else:
+                    agent.links.connection_to(rank, deadline=limit)
+            except RpcTimeoutError:
+                return limit >= deadline  # the shutdown's own deadline: its wait ends
             except (WorkerUnavailableError, RpcStateError):
                 return False
             return True
