@@ -14,15 +14,16 @@ pytestmark = pytest.mark.slow
 
 
 def run_example(name: str, tmp_path: Path, *options: str, launcher: list | None = None,
-                timeout: float = 120) -> tuple[dict, str]:
-    """Run ``python -m torchwire.examples.NAME`` (or under ``launcher``); return the
-    figures it wrote and its standard output."""
+                timeout: float = 120, env: dict | None = None) -> tuple[dict, str]:
+    """Run ``python -m torchwire.examples.NAME`` (or under ``launcher``, in ``env``);
+    return the figures it wrote and its standard output."""
     results, plot = tmp_path / "results.json", tmp_path / f"{name}.png"
     cmd = (launcher or [sys.executable]) + ["-m", f"torchwire.examples.{name}",
                                             "--no-progress", "--plot", str(plot),
                                             "--results", str(results), "--timeout",
                                             str(timeout - 10), *options]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=tmp_path)
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=tmp_path,
+                         env=env)
     assert out.returncode == 0, out.stdout + out.stderr
     assert f"== torchwire.examples.{name}:" in out.stdout
     assert "rpc traffic" in out.stdout
@@ -74,6 +75,7 @@ def test_example_runs_unchanged_under_torchrun(tmp_path):
                 if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
     assert env_free  # the launcher sets them for its children, not this test
     fig, out = run_example("parameter_server", tmp_path, "--steps", "100",
-                           launcher=[str(torchrun), "--standalone", "--nproc-per-node", "3"])
+                           launcher=[str(torchrun), "--standalone", "--nproc-per-node", "3"],
+                           env=env_free)
     assert out.count("== torchwire.examples.parameter_server:") == 1  # rank 0 only
     assert fig["world_size"] == 3 and fig["accuracy"] > 0.8, fig
