@@ -182,7 +182,9 @@ def test_a_peer_dying_mid_transfer_leaves_the_survivor_clean(link):
             time.sleep(0.05)
             die(("died", inflight.done()))  # in the middle of the transfer or its reply
         fds0, rss0, shm0, _, _, _ = _state()  # no call of ours: worker1 may already be dying
-        time.sleep(2.0)
+        from _cluster import wait_until
+        health = rpc.api._get_current_rpc_agent().health
+        assert wait_until(lambda: health.is_down(1), 10)  # its death is known here
         with pytest.raises(rpc.WorkerUnavailableError, match="worker1"):
             rpc.rpc_sync("worker1", echo, args=(big,), timeout=10)
         del big
@@ -190,7 +192,6 @@ def test_a_peer_dying_mid_transfer_leaves_the_survivor_clean(link):
         gc.collect()
         # Readers of the closed connections (and lanes) close their sockets as they
         # exit: give them a bounded moment.
-        from _cluster import wait_until
         wait_until(lambda: _fds() <= fds0, timeout=5.0)
         fds1, rss1, shm1, maps1, _, _ = _state()
         rpc.shutdown(graceful=False)
@@ -226,7 +227,10 @@ def test_a_peer_dying_while_mapping_segments_leaves_the_survivor_clean():
         rpc.api._barrier(["worker0", "worker1"])
         fut = rpc.rpc_async(peer, hold, args=(big, 1.5 if rank == 1 else 30))  # runs on peer
         if rank == 1:
-            time.sleep(0.5)  # worker0's hold() has our segment mapped; we map theirs
+            from _cluster import wait_until
+            # worker0's hold() has our segment mapped (leased to it); we map theirs
+            assert wait_until(lambda: shm.stats()["mappings"] == 1
+                              and shm.stats()["leased"] >= 1, 10), shm.stats()
             die(("died", fut.done(), shm.stats()["mappings"]))
         with pytest.raises(rpc.WorkerUnavailableError, match="worker1"):
             fut.wait()
@@ -238,7 +242,8 @@ def test_a_peer_dying_while_mapping_segments_leaves_the_survivor_clean():
         del big, fut
         import gc
         gc.collect()
-        time.sleep(2.0)  # our hold() returns (its reply cannot go) and drops its mapping
+        # our hold() returns (its reply cannot go) and drops its mapping
+        wait_until(lambda: shm.stats()["mappings"] == 0, 10)
         fds1, rss1, shm1, maps1, _, _ = _state()
         rpc.shutdown(graceful=False)
         return fds0, fds1, rss0, rss1, shm0, shm1, maps1, leased

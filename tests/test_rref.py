@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import torchwire.rpc as rpc
-from _cluster import run_world
+from _cluster import run_world, wait_until
 
 
 # ---------------------------------------------------------------- remote functions
@@ -213,7 +213,9 @@ def _timeouts():
         short._get_future().wait()
     with pytest.raises(rpc.RpcTimeoutError, match="RRef creation"):
         short.to_here()
-    time.sleep(1.0)  # let the slow creation finish before the next test checks state
+    del slow, short
+    # the slow creations finish on worker1 and leave nothing there
+    assert wait_until(lambda: rpc.rpc_sync("worker1", debug_info)["num_live_values"] == 0, 10)
     return True
 
 
@@ -328,7 +330,7 @@ def _fork_outlives_creator():
     rref = rpc.remote("worker1", torch.ones, args=(3,))
     assert rpc.rpc_sync("worker2", keep, args=("k", rref)) == (False, True)
     del rref  # the creator drops its fork; worker2's fork must keep the value alive
-    time.sleep(0.2)
+    assert wait_until(lambda: rpc.rpc_sync("worker1", debug_info)["num_forks"] == 1, 10)
     value = rpc.rpc_sync("worker2", fetch_held, args=("k",))
     info = rpc.rpc_sync("worker1", debug_info)
     assert info["num_owner_rrefs"] == 1 and info["num_forks"] == 1, info
@@ -470,14 +472,12 @@ def test_rref_whose_owner_died_raises_naming_the_owner():
                      rpc_backend_options=options(init_method, rpc_timeout=10))
         if rank == 1:
             rpc.rpc_sync("worker0", keep, args=("owner", rpc.RRef(torch.ones(1))))
-            time.sleep(0.5)
             die("died")  # no shutdown: a crash, as far as worker0 can tell
-        deadline = time.monotonic() + 5
-        while "owner" not in _held and time.monotonic() < deadline:
-            time.sleep(0.01)
+        assert wait_until(lambda: "owner" in _held, 5)
         held = _held["owner"]
         assert held.owner_name() == "worker1"
-        time.sleep(1.0)
+        health = rpc.api._get_current_rpc_agent().health
+        assert wait_until(lambda: health.is_down(1), 10)  # worker0 has seen it die
         t0 = time.monotonic()
         with pytest.raises(rpc.WorkerUnavailableError, match="worker1") as info:
             held.to_here()
