@@ -1,0 +1,261 @@
+"""Graceful shutdown at scale (issue 22, item 5): many workers on one host shut down
+without a warning that claims live peers are "gone or cut off", and a worker that
+really died is still named.
+
+The end-to-end tests run 32 forked workers with the default options; the others
+drive ``Termination`` with a scripted store to show each cause of the false warning
+deterministically (a rank that publishes and leaves between two reads of the store,
+a rank that is down on the links but reachable).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import signal
+import time
+import traceback
+
+import pytest
+
+import torchwire.rpc as rpc
+from _cluster import _ctx, new_init_method
+from torchwire._agent.liveness import PeerState
+from torchwire._agent.termination import Termination
+from torchwire._base.errors import WorkerUnavailableError
+
+pytestmark = pytest.mark.timeout(150)
+
+WORLD = 32
+GONE = re.compile(r"shut down gracefully without worker\(s\) (.*) \(gone or cut off\)")
+
+
+def add(a, b):
+    return a + b
+
+
+class _Capture(logging.Handler):
+    """The warnings of the "torchwire" logger in this process."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record) -> None:
+        self.messages.append(record.getMessage())
+
+
+def _worker(conn, rank, world, init_method, barrier, late, victim):
+    """One worker: call the next rank, then graceful shutdown; report its warnings."""
+    captured = _Capture()
+    logging.getLogger("torchwire").addHandler(captured)
+    code = 1
+    try:
+        rpc.init_rpc(f"worker{rank}", rank=rank, world_size=world,
+                     rpc_backend_options=rpc.TensorPipeRpcBackendOptions(
+                         init_method=init_method))
+        assert rpc.rpc_sync(f"worker{(rank + 1) % world}", add, args=(rank, 1)) == rank + 1
+        barrier.wait(60)  # every call is done: the victim's death loses none of them
+        if rank == victim:
+            os.kill(os.getpid(), signal.SIGKILL)
+        if rank in late:
+            # Not a wait for anything: workers that finish their work later make the
+            # early ones probe them while shutdown waits.
+            time.sleep(1.5)
+        t0 = time.monotonic()
+        rpc.shutdown()
+        conn.send(("ok", time.monotonic() - t0, captured.messages))
+        code = 0
+    except BaseException:
+        conn.send(("err", traceback.format_exc(), captured.messages))
+    finally:
+        os._exit(code)
+
+
+def _run(world: int, late=(), victim=None, timeout: float = 100.0) -> list:
+    """Start ``world`` workers; per rank: (status, shutdown seconds or traceback,
+    warnings, exit code)."""
+    init_method = new_init_method()
+    barrier = _ctx.Barrier(world)
+    procs = []
+    for rank in range(world):
+        parent, child = _ctx.Pipe(duplex=False)
+        p = _ctx.Process(target=_worker, args=(child, rank, world, init_method, barrier,
+                                                set(late), victim))
+        p.start()
+        child.close()
+        procs.append((p, parent))
+    deadline = time.monotonic() + timeout
+    out = []
+    try:
+        for p, conn in procs:
+            try:
+                got = conn.recv() if conn.poll(max(0.1, deadline - time.monotonic())) \
+                    else ("hung", None, [])
+            except EOFError:
+                got = ("died", None, [])
+            p.join(max(0.1, deadline - time.monotonic()))
+            out.append((*got, p.exitcode))
+    finally:
+        for p, _ in procs:
+            if p.is_alive():
+                os.kill(p.pid, signal.SIGKILL)
+            p.join(5)
+    return out
+
+
+def _named_gone(messages: list[str]) -> set[str]:
+    return {name for m in messages for g in GONE.findall(m) for name in g.split(", ")}
+
+
+def test_32_workers_call_a_neighbour_and_shut_down_without_a_gone_warning():
+    t0 = time.monotonic()
+    results = _run(WORLD, late=range(1, WORLD, 2))
+    elapsed = time.monotonic() - t0
+    failed = [(rank, r[0], r[1]) for rank, r in enumerate(results) if r[0] != "ok"]
+    assert not failed, failed
+    assert [r[3] for r in results] == [0] * WORLD
+    warned = {rank: _named_gone(r[2]) for rank, r in enumerate(results) if _named_gone(r[2])}
+    assert not warned, f"live workers reported gone: {warned}"
+    print(f"{WORLD} workers: shutdown took at most {max(r[1] for r in results):.2f} s; "
+          f"{elapsed:.1f} s in all")
+
+
+def test_a_worker_killed_before_shutdown_is_named_gone_by_every_other():
+    victim = 5
+    results = _run(WORLD, victim=victim)
+    assert results[victim][0] == "died" and results[victim][3] == -signal.SIGKILL
+    for rank, (status, detail, messages, code) in enumerate(results):
+        if rank == victim:
+            continue
+        assert status == "ok" and code == 0, (rank, status, detail)
+        # named, and no live worker with it
+        assert _named_gone(messages) == {f"worker{victim}"}, (rank, messages)
+
+
+# ------------------------------------------------ Termination with a scripted store
+
+
+class _Store:
+    """A store whose ``check`` runs ``hook(store, key)`` first: other ranks' writes
+    land exactly between two reads."""
+
+    def __init__(self, hook=None) -> None:
+        self.data: dict[str, bytes] = {}
+        self.hook = hook
+
+    def set(self, key, value) -> None:
+        self.data[key] = value.encode() if isinstance(value, str) else value
+
+    def check(self, keys) -> bool:
+        if self.hook is not None:
+            self.hook(self, keys[0])
+        return all(k in self.data for k in keys)
+
+    def multi_get(self, keys):
+        return [self.data[k] for k in keys]
+
+
+class _Health:
+    timeout = 10.0
+
+    def __init__(self, down=()) -> None:
+        self.downs = set(down)
+        self.dead: set[int] = set()
+        self.ever_down = set(down)
+
+    def state(self, rank):
+        if rank in self.dead:
+            return PeerState.DEAD
+        return PeerState.DOWN if rank in self.downs else PeerState.UP
+
+    def is_down(self, rank):
+        return rank in self.downs
+
+    def down(self):
+        return {r: "test" for r in self.downs}
+
+
+class _Names:
+    @staticmethod
+    def name_of(rank):
+        return f"worker{rank}"
+
+
+class _Links:
+    def __init__(self, dial) -> None:
+        self.dial = dial
+        self.dialled: list[int] = []
+
+    def connection_to(self, rank, deadline=None):
+        self.dialled.append(rank)
+        return self.dial(rank)
+
+
+class _Agent:
+    rank = 0
+    name = "worker0"
+
+    def __init__(self, world, store, health, dial=lambda rank: object()) -> None:
+        self.world_size = world
+        self.store = store
+        self.health = health
+        self.links = _Links(dial)
+        self.names = _Names()
+
+
+def test_a_rank_that_publishes_and_leaves_between_two_reads_is_not_missed():
+    def hook(store, key):
+        # rank 1 publishes its record and leaves just before its exit key is read
+        if key == "sd/exit/1" and key not in store.data:
+            store.set("sd/0/1", "1,1")
+            store.set("sd/exit/1", "1")
+
+    store = _Store(hook)
+    store.set("sd/0/0", "1,1")
+    term = Termination(_Agent(2, store, _Health()))
+    got = term._gather(["sd/0/0", "sd/0/1"], time.monotonic() + 5)
+    assert sorted(got) == [0, 1]
+
+
+def test_a_rank_down_on_the_links_but_reachable_is_waited_for():
+    health = _Health(down=[1])
+    reads = []
+
+    def dial(rank):
+        health.downs.discard(rank)  # the link healed: the probe reconnects
+        return object()
+
+    def hook(store, key):
+        reads.append(key)
+        if len(reads) == 40:  # rank 1 arrives at shutdown a little later
+            store.set("sd/0/1", "1,1")
+
+    store = _Store(hook)
+    store.set("sd/0/0", "1,1")
+    agent = _Agent(2, store, health, dial)
+    term = Termination(agent)
+    got = term._gather(["sd/0/0", "sd/0/1"], time.monotonic() + 5)
+    assert sorted(got) == [0, 1] and agent.links.dialled == [1]
+    assert term._absent({k: v.decode() for k, v in got.items()}) == []
+
+
+def test_a_rank_down_and_unreachable_is_given_up_on_and_named_only_if_absent():
+    def dial(rank):
+        raise WorkerUnavailableError("unreachable", f"worker{rank}", "cannot connect")
+
+    store = _Store()  # round 1: rank 0 has published; who else counts?
+    store.set("sd/0/0", "1,1")
+    store.set("sd/1/0", "1,1")
+    store.set("sd/exit/2", "1")  # rank 2 decided at another round and left
+    store.set("sd/0/3", "1,1")  # rank 3 took part in round 0, then was cut off
+    health = _Health(down=[1, 2, 3, 4])
+    health.dead.add(4)  # proved dead: not dialled
+    agent = _Agent(5, store, health, dial)
+    term = Termination(agent)
+    t0 = time.monotonic()
+    got = term._gather([f"sd/1/{k}" for k in range(5)], time.monotonic() + 30)
+    assert time.monotonic() - t0 < 2.0  # given up on at the first probes, not at 30 s
+    assert sorted(got) == [0] and sorted(agent.links.dialled) == [1, 3]
+    assert term._absent({0: "1,1"}) == [1, 4]
