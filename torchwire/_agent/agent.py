@@ -52,7 +52,7 @@ from .counters import Counters
 from .future import Future, SyncReply
 from .links import Links
 from .liveness import PeerHealth
-from .names import NameTable
+from .names import MessageLimits, NameTable
 from .pending import PendingCalls
 from .plugins import AgentPlugin
 from .pool import WorkerPool
@@ -95,6 +95,7 @@ class RpcAgent:
         self.membership = None  # a dynamic group's GroupMembership
         self._plugins: list[AgentPlugin] = []
         self.names = NameTable(records)
+        self.limits = MessageLimits(self.max_message_size, self.names)
         self.counters = Counters(world_size)
         self.pending = PendingCalls(self.names.name_of)
         self.pool = WorkerPool(options.num_worker_threads, name=f"torchwire-{name}")
@@ -228,12 +229,12 @@ class RpcAgent:
         size = len(payload)
         for t in tensors:
             size += t.nbytes
-        if size > self.max_message_size:
+        if size > self.limits.smallest and size > self.limits.of(peer):
             if sent is not None:
                 sent.abort()
             raise SerializationError(
-                f"message of {len(payload)} bytes + tensors exceeds max_message_size "
-                f"{self.max_message_size}")
+                f"a request of {size} bytes to {to.name} exceeds max_message_size "
+                f"{self.limits.of(peer)} (the smaller of this worker's and its receiver's)")
         fut = SyncReply() if sync else Future()
         # one deadline for connecting, writing and the reply
         deadline = time.monotonic() + timeout if timeout > 0 else None
@@ -359,6 +360,7 @@ class RpcAgent:
     def _update_router(self) -> None:
         """Device maps of a dynamic group: route to the members of now; and the
         intra-op threads of torchwire's own passes (their share of this host)."""
+        self.limits.reset()
         router = devices.Router(self.name, [m.record for m in self.names.members()])
         ser.hooks.set_device_router(router.target if router else None)
         self._share_host()

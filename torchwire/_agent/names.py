@@ -150,3 +150,40 @@ class NameTable:
             self.by_name = {n: i for n, i in self.by_name.items() if i.id != rank}
             self._departed[rank] = self._departed_names[member.info.name] = (member.info, why)
             return True
+
+
+class MessageLimits:
+    """The largest frame that may go to each member: the smaller of its published
+    ``max_message_size`` and this worker's (a larger frame would cost the receiver
+    its connection, so the sender refuses it first, naming both).
+
+    Args:
+        own: this worker's ``max_message_size``.
+        names: the group's :class:`NameTable`.
+    """
+
+    def __init__(self, own: int, names: NameTable) -> None:
+        self._own = own
+        self._names = names
+        self._of: dict[int, int] = {}
+        self.smallest = own  # no frame this size or smaller needs a look
+        self.reset()
+
+    def __repr__(self) -> str:
+        return f"<MessageLimits own={self._own} smallest={self.smallest}>"
+
+    def reset(self) -> None:
+        """The members changed."""
+        self._of = {}
+        self.smallest = min([self._own] + [m.record.max_message_size
+                                           for m in self._names.members()
+                                           if m.record.max_message_size])
+
+    def of(self, rank: int) -> int:
+        limit = self._of.get(rank)
+        if limit is None:
+            member = self._names.member(rank)
+            theirs = member.record.max_message_size if member is not None else 0
+            limit = min(theirs, self._own) if theirs > 0 else self._own
+            self._of[rank] = limit
+        return limit

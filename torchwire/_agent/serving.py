@@ -231,6 +231,18 @@ class Server:
             self.reply_error(conn, rid, SerializationError(
                 f"the return value could not be serialized: {exc}"), "")
             return
+        agent = self._agent
+        size = len(payload)
+        for t in tensors:
+            size += t.nbytes
+        if size > agent.limits.smallest and size > agent.limits.of(conn.peer_rank):
+            if sent is not None:
+                sent.abort()
+            self.reply_error(conn, rid, SerializationError(
+                f"a reply of {size} bytes to {agent.name_of(conn.peer_rank)} exceeds "
+                f"max_message_size {agent.limits.of(conn.peer_rank)} (the smaller of its "
+                "caller's and this worker's)"), "")
+            return
         c = self._counters
         with c.lock:  # before the write: the caller may go on before it returns
             c.replies += 1

@@ -37,6 +37,7 @@ class WorkerRecord:
     device_maps: dict = dataclasses.field(default_factory=dict)
     devices: tuple[str, ...] = ()
     device_count: int = 0
+    max_message_size: int = 0  # the largest frame it accepts (0: not published)
 
     def to_json(self) -> dict[str, Any]:
         """The JSON object published in the store."""
@@ -58,7 +59,8 @@ class WorkerRecord:
                       cma=d.get("cma"), shm=bool(d.get("shm")), security=d.get("security") or {},
                       device_maps=d.get("device_maps") or {},
                       devices=tuple(d.get("devices") or ()),
-                      device_count=d.get("device_count", 0))
+                      device_count=d.get("device_count", 0),
+                      max_message_size=int(d.get("max_message_size") or 0))
         except (KeyError, IndexError, TypeError) as exc:
             raise RendezvousError(f"malformed worker record in the rendezvous store: {exc!r} "
                                   f"in {d!r:.200}") from None

@@ -146,7 +146,8 @@ def _record(name: str, rank: int, options, listener: Listener, store_host, auth)
         tcp[0] = _route_host(store_host)
     record = {"name": name, "rank": rank, "host": host_identity(),
               "tcp": tcp, "unix": listener.unix_address,
-              "pid": os.getpid(), "security": auth.record()}
+              "pid": os.getpid(), "security": auth.record(),
+              "max_message_size": int(options.max_message_size)}
     record.update(local_offer(shm=channel_allowed(options, "shm")))
     record.update(devices.encode(options.device_maps, options.devices))
     return record
