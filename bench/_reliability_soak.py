@@ -8,11 +8,15 @@ from __future__ import annotations
 import datetime as _dt
 import os
 import re
+import resource
 import subprocess
 import sys
 import time
 
 import _reliability_report as R
+
+FUZZ_MEMORY = 6 << 30  # address space of a fuzzing pytest: a runaway allocation fails
+# there as a MemoryError (a failed property, with its example) instead of the OOM killer
 
 FUZZ_GROUPS = [  # run side by side, one pytest each: about the same time each
     ["test_connection_reader_survives_any_bytes"],
@@ -45,11 +49,15 @@ def run_fuzz(examples: int, repo: str, log) -> list[dict]:
     env = dict(os.environ, TORCHWIRE_FUZZ_EXAMPLES=str(examples))
     procs = []
     for group in FUZZ_GROUPS:
+        # no:logging: pytest's log capture would keep every example's records (and what
+        # they reference) for the whole test: gigabytes over 100 000 examples
         cmd = [sys.executable, "-m", "pytest", "tests/test_fuzz.py", "-p", "no:cacheprovider",
-               "-rA", "--timeout=7200", "--hypothesis-show-statistics", "-k",
+               "-p", "no:logging", "-rA", "--timeout=7200", "--hypothesis-show-statistics", "-k",
                " or ".join(group)]
-        procs.append(subprocess.Popen(cmd, cwd=repo, env=env, stdout=subprocess.PIPE,
-                                      stderr=subprocess.STDOUT, text=True))
+        procs.append(subprocess.Popen(
+            cmd, cwd=repo, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            text=True, preexec_fn=lambda: resource.setrlimit(
+                resource.RLIMIT_AS, (FUZZ_MEMORY, FUZZ_MEMORY))))
     out = []
     for p in procs:
         try:
@@ -57,11 +65,16 @@ def run_fuzz(examples: int, repo: str, log) -> list[dict]:
         except subprocess.TimeoutExpired:
             p.kill()
             text, _ = p.communicate()
-        out.append(text)
+        out.append((text, p.returncode))
     tests: dict = {}
-    for text in out:
-        for m in re.finditer(r"^(PASSED|FAILED|ERROR) tests/test_fuzz\.py::(\S+)", text, re.M):
-            tests.setdefault(m.group(2), {})["outcome"] = m.group(1)
+    for (text, rc), group in zip(out, FUZZ_GROUPS):
+        found = re.findall(r"^(PASSED|FAILED|ERROR) tests/test_fuzz\.py::(\S+)(?: - (.*))?$",
+                           text, re.M)
+        for outcome, name, detail in found:
+            tests.setdefault(name, {}).update(outcome=outcome, detail=detail[:120])
+        if not found:  # the pytest itself died (a signal: rc < 0)
+            tests[" or ".join(group)] = {"outcome": f"no result: pytest exited with {rc}",
+                                         "detail": (text.strip().splitlines() or [""])[-1]}
         for block in re.split(r"\n(?=tests/test_fuzz\.py::)", text):
             m = re.match(r"tests/test_fuzz\.py::(\S+):", block)
             if not m:
@@ -76,7 +89,7 @@ def run_fuzz(examples: int, repo: str, log) -> list[dict]:
             stop = re.search(r"Stopped because (.+)", block)
             if stop:
                 rec["stop"] = stop.group(1).strip()
-        if "FAILED" in text:
+        if "FAILED" in text or not found:
             log("fuzz failures:\n" + text[-3000:])
     return [dict(name=k, **v) for k, v in tests.items()]
 
@@ -116,11 +129,17 @@ def soak_section(soak: dict, fuzz: list, args, meta: dict) -> str:
               "frame decoder, the connection reader fed arbitrary bytes over a socket pair, the "
               "unpickling boundary, the plain-message decoders. **Threshold**: every property "
               f"passes with ≥ {args.fuzz_examples:,} examples.", "",
+              f"Each pytest runs with its address space capped at {FUZZ_MEMORY >> 30} GiB, so a "
+              "decoder that allocates what a fuzzed length claims fails with a "
+              "`MemoryError`.", "",
               "| test | outcome | examples | time | stopped because |", "|---|---|---|---|---|"]
     for t in fuzz:
         ex = t.get("examples")
         short = ex is not None and ex < args.fuzz_examples
-        lines.append(f"| `{t['name']}` | {t.get('outcome', 'no outcome')} | "
+        outcome = t.get("outcome", "no outcome")
+        if t.get("detail"):
+            outcome += f" ({str(t['detail']).replace('|', '/')})"
+        lines.append(f"| `{t['name']}` | {outcome} | "
                      f"{'' if ex is None else f'{ex:,}'}{' **(short)**' if short else ''} | "
                      f"{'' if 's' not in t else format(t['s'], '.0f') + ' s'} | "
                      f"{t.get('stop', '')} |")
