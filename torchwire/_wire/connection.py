@@ -79,6 +79,9 @@ class Connection:
         self.heartbeats_in = 0
         self.progress_in = 0
         self.bytes_in = 0
+        # Set by the heartbeat while nothing arrives (the peer may have stopped reading):
+        # channels that hold memory for the peer hold less then.
+        self.silent = False
         self._reader_done = threading.Event()
         self._reader = threading.Thread(target=self.read_loop, daemon=True,
                                         name=f"torchwire-reader-{peer_rank}")

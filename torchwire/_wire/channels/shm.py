@@ -27,9 +27,10 @@ written again.
 
 Backpressure: a peer that stops reading (frozen) releases nothing, so a sender
 would fill memory with segments for it.  Past ``MAX_LEASED`` bytes leased to one
-peer (one buffer of any size is always let in), buffers go through the socket
-instead, whose writer bounds what waits and fails calls at their deadlines
-(``writer.py``).
+peer (``MAX_LEASED_SILENT`` while the heartbeat hears nothing from it; one buffer
+of any size is always let in), buffers go through the socket instead, whose
+writer bounds what waits and fails calls at their deadlines (``writer.py``).  A
+peer that talks may hold much more (a parameter server keeping what it received).
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ log = logging.getLogger("torchwire")
 
 MIN_SIZE = 2 << 20  # below this, mapping + unmapping costs more than CMA's copy
 MAX_LEASED = 2 << 30  # bytes of segments one peer may hold before the socket is used
+MAX_LEASED_SILENT = 128 << 20  # the same while its connection is silent
 
 
 @register
@@ -68,7 +70,7 @@ class ShmChannel(Channel):
         if len(frame.fds) >= MAX_FDS:
             return False
         leased = segments.leased_bytes(conn)
-        if leased and leased + n > MAX_LEASED:
+        if leased and leased + n > (MAX_LEASED_SILENT if conn.silent else MAX_LEASED):
             return False
         try:
             seg_id, seg_size, offset, how, fd = segments.export(t, n, conn)
