@@ -352,7 +352,7 @@ def test_frozen_worker_times_calls_out_then_heartbeat_marks_it_unavailable():
         with pytest.raises(torchwire.WorkerUnavailableError, match="worker2") as info:
             rpc.rpc_sync("worker2", add, args=(1, 1))
         new_call = time.monotonic() - t0
-        assert "handshake" in info.value.reason, info.value.reason
+        assert "connect" in info.value.reason, info.value.reason  # tried again, in vain
         t0 = time.monotonic()
         rpc.shutdown()
         return timed_out, detected, new_call, time.monotonic() - t0
@@ -374,7 +374,8 @@ def test_frozen_worker_times_calls_out_then_heartbeat_marks_it_unavailable():
     # its own attempt is bounded by handshake_timeout; a background attempt (1 s) may
     # hold the link first
     assert 2.0 - 0.1 < new_call < 2.0 + 1.0 + 0.5
-    assert shutdown0 < 5 and shutdown1 < 2.0 + 5
+    # worker1's shutdown waits for all of worker0's work after the freeze
+    assert shutdown0 < 5 and shutdown1 < new_call + 6
 
 
 def test_heartbeat_does_not_disturb_a_busy_or_idle_healthy_job():
