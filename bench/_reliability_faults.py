@@ -76,9 +76,11 @@ SCENARIOS = {
                  "and calls worker2 once a second meanwhile. This script samples worker0's "
                  "RSS every 50 ms. Then SIGCONT.",
         "thresholds": [
-            f"every large call fails at its deadline: between {BIG['big_timeout'] - EARLY:.1f} "
-            f"and {BIG['big_timeout'] + SLACK:.1f} s after it was made (time spent in "
-            "`rpc_async` included)",
+            f"every large call fails by its deadline: at most {BIG['big_timeout'] + SLACK:.1f} s "
+            "after it was made (time spent in `rpc_async` included, which may wait for room "
+            "until the call's deadline: backpressure), and a timeout error no earlier than "
+            f"{BIG['big_timeout'] - EARLY:.1f} s (a worker declared unavailable, by a "
+            "heartbeat, may fail its calls at once)",
             f"worker0's RSS grows by < {RSS_BOUND_MIB} MiB: 2× the data of the calls still "
             f"within their deadline ({BIG_IN_FLIGHT_MIB} MiB); "
             f"{BIG['big_calls'] * BIG['big_mib']} MiB are sent in all",
@@ -204,7 +206,9 @@ def run_slowreader(lib: str, skip_note) -> dict:
         rss0 = rss_kib(pid) or 0
         peak = rss0
         job.phase(1)
-        deadline = time.monotonic() + BIG["big_calls"] * BIG["big_every"] + 3 * CAP["call"] + 20
+        # rpc_async may wait for room until its call's deadline (backpressure)
+        deadline = (time.monotonic() + BIG["big_calls"] * (BIG["big_every"] + BIG["big_timeout"])
+                    + 3 * CAP["call"] + 20)
         stall = None
         while time.monotonic() < deadline:
             peak = max(peak, rss_kib(pid) or 0)
@@ -220,15 +224,19 @@ def run_slowreader(lib: str, skip_note) -> dict:
             calls = stall["calls"]
             n = BIG["big_calls"]
             tmo = BIG["big_timeout"]
-            bad = [c for c in calls if "t1" not in c or c["error"] is None
-                   or not tmo - EARLY <= c["t1"] - c["t0"] <= tmo + SLACK]
+            bad = [c for c in calls if "t1" not in c or c.get("error") is None
+                   or c["t1"] - c["t0"] > tmo + SLACK or _early_timeout(c, tmo)]
             lat = [c["t1"] - c["t0"] for c in calls if "t1" in c]
             fig = f"{sum(1 for c in calls if c.get('error'))}/{n} failed"
             if lat:
                 fig += f", {min(lat):.2f}–{max(lat):.2f} s after the call"
-                early = sum(1 for x in lat if x < tmo - EARLY)
+                early = sum(1 for c in calls if _early_timeout(c, tmo))
                 if early:
-                    fig += f" ({early} **before** the deadline)"
+                    fig += f" ({early} timeout(s) **before** the deadline)"
+                lost = sum(1 for c in calls if "t1" in c and "Unavailable" in (c.get("error") or "")
+                           and c["t1"] - c["t0"] < tmo - EARLY)
+                if lost:
+                    fig += f" ({lost} failed early: the peer was declared unavailable)"
             fig += f"; `rpc_async` returned in ≤ {max([c['issue_s'] for c in calls] or [0]):.2f} s"
             if stall["send"]["status"] == "hang":
                 fig += "; **the sending loop hangs**"
@@ -253,6 +261,12 @@ def run_slowreader(lib: str, skip_note) -> dict:
         return {"checks": checks, "errors": job.errors()}
     finally:
         job.close()
+
+
+def _early_timeout(c: dict, tmo: float) -> bool:
+    """A call that says it timed out before its timeout had passed."""
+    return ("t1" in c and c["t1"] - c["t0"] < tmo - EARLY
+            and "Unavailable" not in (c.get("error") or ""))
 
 
 def _probe_fig(r) -> str:

@@ -272,7 +272,8 @@ def scenario_slowreader(rpc, rank, put, board, cfg):
 
     prober = threading.Thread(target=probe, daemon=True)
     prober.start()
-    sent = timed(lambda: send() or {"calls": len(recs)}, n * every + cap["call"])
+    # each rpc_async may wait for room until its own deadline (backpressure)
+    sent = timed(lambda: send() or {"calls": len(recs)}, n * (every + tmo) + cap["call"])
     sending.set()
     prober.join(cap["call"])
     calls = settle(recs, tmo + cap["call"])
