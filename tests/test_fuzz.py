@@ -195,3 +195,15 @@ def test_the_valid_plain_call_used_above_does_decode():
     func, args, kwargs = ser.plain_call_decode(_valid_plain_call(), [bytearray(8)])
     assert func is os.path.join and args[0] == "a" and args[2] == 3
     assert args[1].tolist() == [0.0, 0.0]
+
+
+@pytest.mark.parametrize("body", [b"(\x00\x00\x00(",  # a tuple of 671 M items: 5 GB
+                                  b"[\xff\xff\xff\x7f", b"s\xff\xff\xff\x00abc",
+                                  b")\x05N", b"l\xff\xff\xff\x7f"])
+def test_plain_bodies_claiming_more_than_they_hold_are_refused_before_allocating(body):
+    for kind in (ser.PlainKind.CALL, ser.PlainKind.TENSOR):
+        with pytest.raises(torchwire.ProtocolError, match="malformed plain message"):
+            if kind == ser.PlainKind.CALL:
+                ser.plain_call_decode(bytes([kind]) + body, [])
+            else:
+                ser.plain_value(bytes([kind]) + body, [])

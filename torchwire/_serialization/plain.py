@@ -76,13 +76,65 @@ def plain_body(payload, n: int | None = None):
     Raises:
         ProtocolError: malformed.
     """
+    data = memoryview(payload)[1:]
+    _check_sizes(data)
     try:
-        body = marshal.loads(memoryview(payload)[1:])
+        body = marshal.loads(data)
     except (EOFError, ValueError, TypeError) as exc:
         raise ProtocolError(f"malformed plain message: {exc}") from None
     if n is not None and (type(body) is not tuple or len(body) != n):
         raise ProtocolError(f"malformed plain message: not {n} fields")
     return body
+
+
+# marshal's codes for what plain messages hold (FLAG_REF, 0x80, may be added):
+# their fixed sizes, and the codes followed by a count (of bytes or of items).
+_FIXED = {ord("N"): 0, ord("T"): 0, ord("F"): 0, ord("i"): 4, ord("g"): 8, ord("r"): 4}
+_COUNT4 = {ord(c) for c in "(usta[A"}
+_COUNT1 = {ord(c) for c in ")zZ"}
+_CONTAINERS = {ord(c) for c in "()["}
+
+
+def _check_sizes(data) -> None:
+    """Check a marshal stream's declared lengths against what the stream holds,
+    before ``marshal.loads`` allocates them: a header claiming a tuple of a
+    billion items must not cost gigabytes (only the types plain messages use).
+
+    Raises:
+        ProtocolError: a type plain messages never hold, or a count the bytes left
+            cannot satisfy.
+    """
+    end, pos, todo = len(data), 0, 1
+    while todo:
+        if pos >= end:
+            raise ProtocolError("malformed plain message: truncated")
+        code = data[pos] & 0x7F
+        pos += 1
+        todo -= 1
+        if code in _FIXED:
+            pos += _FIXED[code]
+            continue
+        if code == ord("l"):  # a long: count of 15-bit digits, two bytes each
+            count = int.from_bytes(data[pos:pos + 4], "little", signed=True)
+            pos += 4 + 2 * abs(count)
+            continue
+        if code in _COUNT4:
+            count = int.from_bytes(data[pos:pos + 4], "little", signed=True)
+            pos += 4
+        elif code in _COUNT1:
+            count = data[pos] if pos < end else 0
+            pos += 1
+        else:
+            raise ProtocolError(f"malformed plain message: marshal type {code:#x}")
+        if count < 0 or count > end - pos:  # every item or byte takes a byte at least
+            raise ProtocolError(f"malformed plain message: {count} items or bytes in "
+                                f"{end - pos} left")
+        if code in _CONTAINERS:
+            todo += count
+        else:
+            pos += count
+    if pos > end:
+        raise ProtocolError("malformed plain message: truncated")
 
 
 def one_buffer(tensors) -> Any:
