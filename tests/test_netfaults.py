@@ -228,4 +228,5 @@ def test_cut_link_honours_deadlines_and_a_restored_link_works_at_once(hosts):
         assert r["cut_call"] < 3.5
     for r in reports:
         assert r["recovered"] < 5
-        assert r["state"] == ["up", "up"]
+        # connected again: UP, or SUSPECT while the heartbeat awaits the answer to a PING
+        assert set(r["state"]) <= {"up", "suspect"}, r["state"]
