@@ -221,7 +221,7 @@ class PeerHealth:
             if old is None or old[0] != mark:
                 seen[c] = (mark, now)
                 if old is not None and now - old[1] >= self.interval * 0.9:
-                    c.silent = False
+                    c.silent_mark = None
                     agent.links.suspect(c, False)  # it spoke again
                 continue
             seen[c] = old
@@ -230,7 +230,7 @@ class PeerHealth:
                 agent.peer_lost(c.peer_rank, f"no heartbeat for {silent:.1f} s (heartbeat_"
                                  f"timeout={self.timeout:g} s): frozen or unreachable")
             elif silent >= self.interval * 0.9 and c not in self._pinging:
-                c.silent = True
+                c.silent_mark = mark
                 agent.links.suspect(c, True)
                 self._pinging.add(c)
                 try:

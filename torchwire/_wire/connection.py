@@ -79,9 +79,10 @@ class Connection:
         self.heartbeats_in = 0
         self.progress_in = 0
         self.bytes_in = 0
-        # Set by the heartbeat while nothing arrives (the peer may have stopped reading):
-        # channels that hold memory for the peer hold less then.
-        self.silent = False
+        # Set by the heartbeat to the evidence mark it saw while nothing arrived (the
+        # peer may have stopped reading): channels that hold memory for the peer hold
+        # less until anything arrives again (see ``silent``).
+        self.silent_mark: int | None = None
         self._reader_done = threading.Event()
         self._reader = threading.Thread(target=self.read_loop, daemon=True,
                                         name=f"torchwire-reader-{peer_rank}")
@@ -93,6 +94,12 @@ class Connection:
                 f"channels={'+'.join(self.channels.send_names())} "
                 f"frames_in={self.frames_in} frames_out={self.frames_out} "
                 f"queued={len(self._writer.queue)}>")
+
+    @property
+    def silent(self) -> bool:
+        """Nothing has arrived since the heartbeat found the connection silent."""
+        mark = self.silent_mark
+        return mark is not None and mark == self.frames_in + self.heartbeats_in + self.progress_in
 
     @property
     def frames_out(self) -> int:
