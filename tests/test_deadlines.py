@@ -19,7 +19,8 @@ import torch
 
 import torchwire
 import torchwire.rpc as rpc
-from _cluster import _world_child, new_init_method, options
+from _cluster import options
+from test_failures import _reap, _result, _start
 from torchwire._wire.writer import Writer
 
 _ctx = mp.get_context("fork")
@@ -41,34 +42,6 @@ def _rss_mib() -> float:
             if line.startswith("VmRSS:"):
                 return int(line.split()[1]) / 1024
     raise AssertionError("no VmRSS")
-
-
-def _start(fn, world_size, **opts):
-    init_method = new_init_method()
-    procs = []
-    for rank in range(world_size):
-        parent, child = _ctx.Pipe(duplex=False)
-        p = _ctx.Process(target=_world_child,
-                         args=(child, fn, rank, world_size, init_method, False, opts))
-        p.start()
-        child.close()
-        procs.append((p, parent))
-    return procs
-
-
-def _result(procs, rank, timeout=60):
-    p, conn = procs[rank]
-    assert conn.poll(timeout), f"rank {rank}: no answer within {timeout}s"
-    status, value = conn.recv()
-    assert status == "ok", value
-    return value
-
-
-def _reap(procs):
-    for p, _ in procs:
-        if p.is_alive():
-            os.kill(p.pid, signal.SIGKILL)
-        p.join(5)
 
 
 def test_first_contact_with_a_frozen_peer_fails_at_the_call_deadline_then_heals():
