@@ -596,7 +596,7 @@ def test_header_round_trip(kind, lens):
 def test_header_layout_is_little_endian_and_fixed():
     data = F.encode_header(F.K_REQUEST, 0, 0x0102030405060708, 0x11, [0x22])
     assert F.HEADER_SIZE == 32
-    assert data[:4] == b"TW\x06\x03"  # magic, version 6, kind REQUEST
+    assert data[:4] == b"TW\x07\x03"  # magic, version 7, kind REQUEST
     assert struct.unpack_from("<I", data, 4)[0] == 0  # flags
     assert struct.unpack_from("<Q", data, 8)[0] == 0x0102030405060708
     assert struct.unpack_from("<Q", data, 16)[0] == 0x11  # payload length
@@ -615,7 +615,7 @@ def test_wrong_magic_is_protocol_error():
         F.decode_header(b"GET / HTTP/1.1\r\nHost: example\r\n\r\n")
 
 
-@pytest.mark.parametrize("version", [0, 1, 2, 3, 4, 5, 7, 255])
+@pytest.mark.parametrize("version", [0, 1, 2, 3, 4, 5, 6, 8, 255])
 def test_wrong_version_is_protocol_error(version):
     data = bytearray(F.encode_header(F.K_REQUEST, 0, 1, 0, []))
     data[2] = version

@@ -194,11 +194,15 @@ class Connection:
         except LinkError:
             pass
 
-    def send_release(self, token: int, shm: bool = False, retire: bool = False) -> None:
+    def send_release(self, token: int, shm: bool = False, retire: bool = False,
+                     forget: bool = False) -> None:
         """Tell the peer we have read the buffers of CMA ``token`` (it may free
         them), or (``shm``) unmapped one lease of its segment ``token`` (``retire``:
-        a process we forked may still map it, so it must not be written again)."""
-        flags = (F.F_SHM | (F.F_RETIRE if retire else 0)) if shm else 0
+        a process we forked may still map it, so it must not be written again), or
+        (``shm`` and ``forget``) closed our segment ``token`` that it may keep mapped."""
+        flags = 0
+        if shm:
+            flags = F.F_SHM | (F.F_RETIRE if retire else 0) | (F.F_FORGET if forget else 0)
         try:
             self._enqueue([F.encode_frame(F.K_RELEASE, flags, token)], (), F.HEADER_SIZE)
         except LinkError:

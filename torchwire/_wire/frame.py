@@ -51,7 +51,8 @@ MAGIC = b"TW"
 # 6: PLAIN also marks RESPONSEs (None, a plain tensor, a tensor of an autograd
 #    context) and REQUESTs with a request id (calls).  Both came under version 5,
 #    so two version 5 peers could disagree on them; version 6 names the set.
-VERSION = 6
+# 7: RELEASE with the FORGET flag (a segment's owner closed it: unmap what you cache).
+VERSION = 7
 
 # The reserved field is padding: packed as zeros, skipped when unpacked.
 HEADER = struct.Struct("<2sBBIQQI4x")
@@ -96,6 +97,8 @@ class Flags(enum.IntFlag):
     RETIRE = 8  # RELEASE (SHM): a process the receiver forked may still map the segment
     PLAIN = 16  # REQUEST or RESPONSE: the payload is in the plain codec's fixed layout,
     #             not a pickle stream (see the module docstring for its three uses)
+    FORGET = 32  # RELEASE (SHM), from a segment's owner: it closed the segment; the
+    #              receiver unmaps the mapping it kept of it (channels/mappings.py)
 
 
 # Plain ints for the hot path (enum attribute access costs a dict lookup).
@@ -115,6 +118,7 @@ F_CMA = int(Flags.CMA)
 F_SHM = int(Flags.SHM)
 F_RETIRE = int(Flags.RETIRE)
 F_PLAIN = int(Flags.PLAIN)
+F_FORGET = int(Flags.FORGET)
 # In a CMA frame, a buffer length with this bit set is a buffer the receiver reads
 # from the sender's memory; the stream then carries 16 bytes instead of the
 # buffer: its address and the frame's release token (both u64).

@@ -20,6 +20,10 @@ Two cases need no copy at all:
 mapping that was never written is either not present or the segment's own page
 (the file-page bit); a written page is an anonymous copy.
 
+The receiving side (private mappings, kept mapped for the next message, and the
+release thread) is ``mappings.py``; copying and the pagemap are ``memory.py``.
+This module is the channel's interface to both.
+
 A segment's lease, on the owner (``_Segment``; ``leases``: mappings each peer
 holds, ``local``: private mappings here)::
 
@@ -29,6 +33,8 @@ holds, ``local``: private mappings here)::
     LEASED   --its connection closes, or RELEASE with RETIRE-> TAINTED
     TAINTED  --nobody maps it here-->                          CLOSED
     FREE     --more than MAX_FREE free, or warm_limit-->       CLOSED
+    CLOSED   --FORGET to every open peer it was sent to: they unmap their cached
+               mapping of it (mappings.py)
 
 A FREE segment stays mapped for reuse (its pages faulted in, so the next copy runs
 at memory speed) while mappings stay under ``warm_limit``; beyond it a leased one
@@ -46,135 +52,40 @@ inherited.
 
 from __future__ import annotations
 
-import bisect
-import collections
-import ctypes
 import fcntl
 import os
-import stat
-import sys
 import threading
-import weakref
-from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
 from ..._base.errors import ConnectionClosedError, ProtocolError
 from ..._base.threads import in_io_thread
+from . import memory as M
+from .mappings import mappings as _mappings
+from .mappings import releaser as _releaser
 
 HOW_FD = 1  # the segment's descriptor travels with the frame
 HOW_BACK = 2  # a segment of the receiver's own, returned unmodified
 
-PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
-_PROT_RW = 0x1 | 0x2
-_MAP_SHARED, _MAP_PRIVATE, _MAP_POPULATE = 0x01, 0x02, 0x8000
+PAGE = M.PAGE
 _SEALS = getattr(fcntl, "F_SEAL_SHRINK", 2) | getattr(fcntl, "F_SEAL_GROW", 4)
 MAX_FREE = 8  # released segments kept for reuse (oldest closed first)
-_COPY_SPLIT = 8 << 20  # copies larger than this are split across threads
 _WAIT_MIN = 16 << 20  # below this, a new segment costs less than waiting for a release
 _VAIN_MAX = 2  # waits for a peer's releases that may time out before it is not waited for
 _WAIT_MAX_S = 0.5  # the longest wait for a release
 _FAULT_RATE = 2e9  # bytes/s, about: what creating a segment costs bounds a wait for one
 
-_libc = None
-if sys.platform.startswith("linux") and hasattr(os, "memfd_create"):
-    try:
-        _libc = ctypes.CDLL(None, use_errno=True)
-        _libc.mmap.restype = ctypes.c_void_p
-        _libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
-                               ctypes.c_int, ctypes.c_long]
-        _libc.munmap.restype = ctypes.c_int
-        _libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-    except (OSError, AttributeError):
-        _libc = None
-_MAP_FAILED = ctypes.c_void_p(-1).value
-
-
-def available() -> bool:
-    """memfd, fd passing and pagemap: all the shm channel needs (Linux)."""
-    return _libc is not None and os.path.exists("/proc/self/pagemap")
-
-
-def _round_up(n: int) -> int:
-    return (n + PAGE - 1) // PAGE * PAGE
-
-
-def _map(fd: int, length: int, flags: int, offset: int = 0) -> int:
-    addr = _libc.mmap(None, length, _PROT_RW, flags, fd, offset)
-    if addr is None or addr == _MAP_FAILED:
-        err = ctypes.get_errno()
-        raise OSError(err, f"mmap of {length} bytes: {os.strerror(err)}")
-    return addr
-
-
-def _unmap(addr: int, length: int) -> None:
-    _libc.munmap(addr, length)
-
-
-# ----------------------------------------------------------------- copying
-
-_copier: ThreadPoolExecutor | None = None
-_copier_lock = threading.Lock()
-
-
-def copy(dst: int, src: int, n: int) -> None:
-    """memcpy ``n`` bytes, large ones on every core (memory bandwidth scales with
-    threads on the machines measured; ctypes releases the GIL)."""
-    global _copier
-    parts = min(os.cpu_count() or 1, max(1, n // _COPY_SPLIT))
-    if parts <= 1:
-        ctypes.memmove(dst, src, n)
-        return
-    with _copier_lock:
-        if _copier is None:
-            _copier = ThreadPoolExecutor(max_workers=max(1, (os.cpu_count() or 2) - 1),
-                                         thread_name_prefix="torchwire-copy")
-    step = _round_up(-(-n // parts))
-    futs = [_copier.submit(ctypes.memmove, dst + off, src + off, min(step, n - off))
-            for off in range(step, n, step)]
-    ctypes.memmove(dst, src, min(step, n))
-    for f in futs:
-        f.result()
-
-
-# ----------------------------------------------------------------- pagemap
-
-_pagemap = (-1, -1)  # (pid, fd): /proc/self/pagemap names the opener's process
-
-
-def _pagemap_fd() -> int:
-    global _pagemap
-    pid, fd = _pagemap
-    if pid != os.getpid():  # first use, or a forked child holding the parent's
-        fd = os.open("/proc/self/pagemap", os.O_RDONLY | os.O_CLOEXEC)
-        _pagemap = (os.getpid(), fd)
-    return fd
+available = M.available
+unmodified = M.unmodified
+copy = M.copy
 
 
 def prepare() -> None:
     """Open what the channel keeps open for the life of the process (the pagemap,
     the release thread's pipe) now, at ``init_rpc``, not during a transfer."""
-    _pagemap_fd()
+    M.pagemap_fd()
     _releaser.start()
 
-
-def unmodified(addr: int, n: int) -> bool:
-    """Were the pages under ``[addr, addr + n)`` of a private file mapping never
-    written (each either absent or still the file's page)?"""
-    fd = _pagemap_fd()
-    first, last = addr // PAGE, (addr + n - 1) // PAGE
-    count = last - first + 1
-    data = bytearray(os.pread(fd, 8 * count, 8 * first))
-    if len(data) != 8 * count:
-        return False
-    e = torch.frombuffer(data, dtype=torch.int64)
-    present = e < 0  # bit 63
-    swapped = ((e >> 62) & 1).bool()
-    file_page = ((e >> 61) & 1).bool()
-    return not bool((present & ~file_page).any() or swapped.any())
-
-
-# ----------------------------------------------------------------- segments
 
 def _check_open(conn) -> None:
     """A lease is taken only while ``conn`` is open: ``connection_closed`` (which
@@ -184,7 +95,7 @@ def _check_open(conn) -> None:
 
 
 class _Segment:
-    __slots__ = ("id", "fd", "size", "addr", "leases", "local", "tainted", "echoed")
+    __slots__ = ("id", "fd", "size", "addr", "leases", "local", "tainted", "echoed", "peers")
 
     def __init__(self, seg_id: int, fd: int, size: int) -> None:
         self.id = seg_id
@@ -195,79 +106,19 @@ class _Segment:
         self.local = 0  # private mappings of it in this process
         self.tainted = False  # leased to a peer now gone: never written again
         self.echoed = False  # the peer sent it back to us: its release is likely on its way
+        self.peers: set = set()  # open connections it went to: they may keep it mapped
 
     @property
     def busy(self) -> bool:
         return bool(self.leases) or self.local > 0
 
 
-class _Mapping:
-    """A private mapping this process holds of a segment (received or its own)."""
-
-    __slots__ = ("base", "length", "seg_id", "seg_off", "conn", "own", "pid", "forked")
-
-    def __init__(self, base, length, seg_id, seg_off, conn, own) -> None:
-        self.base, self.length = base, length
-        self.seg_id, self.seg_off = seg_id, seg_off
-        self.conn, self.own = conn, own
-        self.pid = os.getpid()  # a forked child's copy holds no lease
-        self.forked = False  # alive at a fork: a child may still map it
-
-
-class _Releaser:
-    """Sends RELEASE frames for mappings that died.
-
-    A mapping dies wherever its last tensor is freed: on any thread, possibly
-    inside a lock that sending needs (a connection dropping sent tensors under
-    its queue lock, or the cyclic garbage collector anywhere).  So the callback
-    only appends to a deque and writes a byte to a pipe; this thread does the
-    sending.
-    """
-
-    def __init__(self) -> None:
-        self.pid = -1
-        self.items: collections.deque = collections.deque()
-        self.wfd = -1
-
-    def post(self, conn, seg_id: int, retire: bool) -> None:
-        self.items.append((conn, seg_id, retire))
-        self.start()
-        try:
-            os.write(self.wfd, b"r")
-        except BlockingIOError:
-            pass  # the pipe is full of wake-ups already
-
-    def start(self) -> None:
-        if self.pid == os.getpid():
-            return
-        with _start_lock:
-            if self.pid == os.getpid():
-                return
-            rfd, wfd = os.pipe2(os.O_CLOEXEC)
-            os.set_blocking(wfd, False)
-            self.wfd = wfd
-            threading.Thread(target=self._run, args=(rfd,), daemon=True,
-                             name="torchwire-shm-release").start()
-            self.pid = os.getpid()
-
-    def _run(self, rfd: int) -> None:
-        while True:
-            os.read(rfd, 4096)
-            while self.items:
-                conn, seg_id, retire = self.items.popleft()
-                try:
-                    conn.send_release(seg_id, shm=True, retire=retire)
-                except Exception:  # a closed connection: its peer's leases ended with it
-                    pass
-
-
-_start_lock = threading.Lock()
-_releaser = _Releaser()
-
-
 class _Segments:
+    """The segments this process owns.  Shares the mappings' lock: a tensor over
+    one of our own segments may die (a weakref callback) inside a locked section of
+    either."""
+
     def __init__(self) -> None:
-        self.lock = threading.RLock()  # weakref callbacks may run inside a locked section
         self.settled = threading.Condition(self.lock)  # a segment joined self.free
         self.vain: dict = {}  # connection -> waits for its releases that timed out
         self.segs: dict[int, _Segment] = {}
@@ -275,11 +126,12 @@ class _Segments:
         self.mapped = 0  # bytes of shared mappings this process holds
         self.warm_limit = 1 << 30
         self.next_id = 0
-        self.bases: list[int] = []  # sorted bases of self.maps
-        self.maps: dict[int, _Mapping] = {}
-        self.views: dict[int, tuple] = {}  # id(view) -> (weakref, mapping)
         self.counters = dict(created=0, reused=0, copies=0, copied_bytes=0, sent_back=0,
-                             sent_own=0, received=0, released=0, waits=0, vain_waits=0)
+                             sent_own=0, released=0, waits=0, vain_waits=0)
+
+    @property
+    def lock(self):
+        return _mappings.lock
 
     # ------------------------------------------------------------ sending
 
@@ -291,8 +143,8 @@ class _Segments:
             is a duplicate the caller owns and must close once sent.
         """
         addr = t.data_ptr()
-        m = self._find(addr)
-        if m is not None and addr + n <= m.base + m.length and unmodified(addr, n):
+        m = _mappings.find(addr)
+        if m is not None and addr + n <= m.base + m.length and M.unmodified(addr, n):
             offset = addr - m.base + m.seg_off
             with self.lock:
                 _check_open(conn)
@@ -301,12 +153,12 @@ class _Segments:
                     return m.seg_id, 0, offset, HOW_BACK, None
                 seg = self.segs.get(m.seg_id) if m.own else None
                 if seg is not None:
-                    seg.leases[conn] = seg.leases.get(conn, 0) + 1
+                    self._lease(seg, conn)
                     self.counters["sent_own"] += 1
                     return seg.id, seg.size, offset, HOW_FD, os.dup(seg.fd)
         seg = self._acquire(n)
         try:
-            copy(seg.addr, addr, n)
+            M.copy(seg.addr, addr, n)
         except BaseException:
             with self.lock:
                 self._settle(seg)
@@ -317,13 +169,18 @@ class _Segments:
             except ConnectionClosedError:
                 self._settle(seg)
                 raise
-            seg.leases[conn] = seg.leases.get(conn, 0) + 1
+            self._lease(seg, conn)
             self.counters["copies"] += 1
             self.counters["copied_bytes"] += n
             return seg.id, seg.size, 0, HOW_FD, os.dup(seg.fd)
 
+    @staticmethod
+    def _lease(seg: _Segment, conn) -> None:
+        seg.leases[conn] = seg.leases.get(conn, 0) + 1
+        seg.peers.add(conn)
+
     def _acquire(self, n: int) -> _Segment:
-        size = _round_up(n)
+        size = M.round_up(n)
         with self.lock:
             best = None
             for s in self.free:
@@ -350,7 +207,7 @@ class _Segments:
                 self.counters["created"] += 1
             if not seg.addr:
                 self._make_room(seg.size)
-                seg.addr = _map(seg.fd, seg.size, _MAP_SHARED | _MAP_POPULATE)
+                seg.addr = M.map_fd(seg.fd, seg.size, M.MAP_SHARED | M.MAP_POPULATE)
                 self.mapped += seg.size
             return seg
 
@@ -394,7 +251,7 @@ class _Segments:
         if self.mapped + size > self.warm_limit:
             for s in self.segs.values():
                 if s.addr and s.busy:
-                    _unmap(s.addr, s.size)
+                    M.unmap(s.addr, s.size)
                     s.addr = 0
                     self.mapped -= s.size
                     if self.mapped + size <= self.warm_limit:
@@ -402,11 +259,14 @@ class _Segments:
 
     def _close(self, seg: _Segment) -> None:
         if seg.addr:
-            _unmap(seg.addr, seg.size)
+            M.unmap(seg.addr, seg.size)
             self.mapped -= seg.size
             seg.addr = 0
         os.close(seg.fd)
         self.segs.pop(seg.id, None)
+        for conn in seg.peers:  # they may keep it mapped for the next message
+            if not conn.closed:
+                _releaser.post(conn, seg.id, forget=True)
 
     def _settle(self, seg: _Segment) -> None:
         """A segment nobody maps any more: recycle it, or close it if tainted."""
@@ -446,11 +306,10 @@ class _Segments:
                     if seg in self.free:
                         self.free.remove(seg)
                     self._settle(seg)
-            for m in self.maps.values():
-                if m.conn is conn:
-                    m.conn = None  # no back-references on another connection
+                seg.peers.discard(conn)
             self.vain.pop(conn, None)
             self.settled.notify_all()  # a sender waiting for one of its segments gives up
+        _mappings.connection_closed(conn)
 
     def leased_bytes(self, conn) -> int:
         """Bytes of the segments ``conn``'s peer holds leases on."""
@@ -462,28 +321,8 @@ class _Segments:
         with self.lock:
             return sum(s.leases.get(conn, 0) for s in self.segs.values())
 
-    # ------------------------------------------------------------ receiving
 
-    def import_fd(self, conn, fd: int, seg_id: int, seg_size: int, offset: int,
-                  n: int) -> torch.Tensor:
-        """Map a segment a peer sent (``fd`` is ours: always closed here)."""
-        try:
-            st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode) or st.st_size < seg_size or offset + n > seg_size:
-                raise ProtocolError(f"shared-memory buffer of {n} bytes at {offset} does not "
-                                    f"fit the segment sent ({st.st_size} bytes)")
-            if fcntl.fcntl(fd, fcntl.F_GET_SEALS) & _SEALS != _SEALS:
-                raise ProtocolError("shared-memory segment is not sealed against shrinking")
-            start = offset // PAGE * PAGE
-            length = _round_up(offset + n) - start
-            base = _map(fd, length, _MAP_PRIVATE, start)
-        except OSError as exc:
-            raise ProtocolError(f"cannot map a shared-memory buffer: {exc}") from exc
-        finally:
-            os.close(fd)
-        with self.lock:
-            self.counters["received"] += 1
-        return self._lend(_Mapping(base, length, seg_id, start, conn, False), offset - start, n)
+    # ------------------------------------------------------------ returned to us
 
     def import_back(self, conn, seg_id: int, offset: int, n: int) -> torch.Tensor:
         """Map our own segment ``seg_id``, returned unmodified by ``conn``'s peer."""
@@ -492,101 +331,52 @@ class _Segments:
             if seg is None or conn not in seg.leases or offset + n > seg.size:
                 raise ProtocolError(f"peer returned shared-memory segment {seg_id}, which "
                                     f"it does not hold")
-            start = offset // PAGE * PAGE
-            length = _round_up(offset + n) - start
-            try:
-                base = _map(seg.fd, length, _MAP_PRIVATE, start)
-            except OSError as exc:
-                raise ProtocolError(f"cannot map shared-memory segment {seg_id}: {exc}") from exc
+            t = _mappings.import_own(seg.fd, seg_id, offset, n)
             seg.local += 1
             seg.echoed = True
-        return self._lend(_Mapping(base, length, seg_id, start, None, True), offset - start, n)
+            return t
 
-    def _lend(self, m: _Mapping, skip: int, n: int) -> torch.Tensor:
-        arr = (ctypes.c_ubyte * m.length).from_address(m.base)
-        view = memoryview(arr).cast("B")[skip:skip + n]
-        key = id(view)
-
-        def unmapped(_ref, key=key) -> None:
-            with self.lock:
-                entry = self.views.pop(key, None)
-                if entry is None:
-                    return
-                mp = entry[1]
-                self.maps.pop(mp.base, None)
-                i = bisect.bisect_left(self.bases, mp.base)
-                if i < len(self.bases) and self.bases[i] == mp.base:
-                    del self.bases[i]
-                _unmap(mp.base, mp.length)
-                if mp.pid != os.getpid():
-                    return  # inherited through a fork: the lease is the parent's
-                if mp.own:
-                    seg = self.segs.get(mp.seg_id)
-                    if seg is not None:
-                        seg.local -= 1
-                        seg.tainted = seg.tainted or mp.forked
-                        self._settle(seg)
-                    return
-                conn = mp.conn
-            if conn is not None:
-                _releaser.post(conn, mp.seg_id, mp.forked)
-
+    def own_unmapped(self, seg_id: int, forked: bool) -> None:
+        """A private mapping of our own segment died (``forked``: a child may still map
+        it: never write it again)."""
         with self.lock:
-            self.views[key] = (weakref.ref(view, unmapped), m)
-            self.maps[m.base] = m
-            bisect.insort(self.bases, m.base)
-        return torch.frombuffer(view, dtype=torch.uint8)
-
-    # ------------------------------------------------------------ fork
-
-    def before_fork(self) -> None:
-        """Mark every mapping alive now as forked; the lock is held across the fork
-        so that no mapping appears in between."""
-        self.lock.acquire()
-        for m in self.maps.values():
-            m.forked = True
-
-    def after_fork_in_parent(self) -> None:
-        self.lock.release()
-
-    def after_fork_in_child(self) -> None:
-        self.lock = threading.RLock()  # the parent's may be held by a thread not copied
-        self.settled = threading.Condition(self.lock)
-
-    def _find(self, addr: int) -> _Mapping | None:
-        with self.lock:
-            i = bisect.bisect_right(self.bases, addr) - 1
-            if i < 0:
-                return None
-            m = self.maps[self.bases[i]]
-            return m if addr < m.base + m.length else None
+            seg = self.segs.get(seg_id)
+            if seg is not None:
+                seg.local -= 1
+                seg.tainted = seg.tainted or forked
+                self._settle(seg)
 
     # ------------------------------------------------------------ inspection
 
     def stats(self) -> dict:
         with self.lock:
-            return dict(self.counters, segments=len(self.segs), free=len(self.free),
+            return dict(self.counters, **_mappings.stats(), segments=len(self.segs),
+                        free=len(self.free),
                         leased=sum(1 for s in self.segs.values() if s.leases),
-                        mapped_bytes=self.mapped, mappings=len(self.maps),
-                        own_mappings=sum(1 for m in self.maps.values() if m.own))
+                        mapped_bytes=self.mapped)
 
     def clear(self) -> None:
-        """Close every released segment (at shutdown, and for tests)."""
+        """Close every released segment and unmap every idle cached mapping (at
+        shutdown, and for tests)."""
         with self.lock:
             while self.free:
                 self._close(self.free.pop())
+        _mappings.clear()
+
+    def after_fork_in_child(self) -> None:
+        self.settled = threading.Condition(self.lock)  # on the child's new lock
 
 
 _segments = _Segments()
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(before=_segments.before_fork,
-                        after_in_parent=_segments.after_fork_in_parent,
-                        after_in_child=_segments.after_fork_in_child)
+_mappings.on_own_unmapped = _segments.own_unmapped
+if hasattr(os, "register_at_fork"):  # after the mappings' handlers, which renew the lock
+    os.register_at_fork(after_in_child=_segments.after_fork_in_child)
 export = _segments.export
 release = _segments.release
 connection_closed = _segments.connection_closed
-import_fd = _segments.import_fd
+import_fd = _mappings.import_fd
 import_back = _segments.import_back
+forget = _mappings.forget
 stats = _segments.stats
 leased_to = _segments.leased_to
 leased_bytes = _segments.leased_bytes

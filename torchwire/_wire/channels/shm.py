@@ -15,12 +15,15 @@ A transfer, per buffer::
     export: lease a segment (copy in, or
       reuse an own or returned one)
     frame (SHM_BIT buffer, descriptor) ->
-                                                map the segment; lend it to a tensor
+                                                map the segment (or lend the mapping
+                                                kept of it again); lend it to a tensor
                                                 ... the last tensor over it dies
                                              <- RELEASE (SHM flag, segment id; RETIRE
                                                 if a fork may still map it), sent by
                                                 the release thread
     the lease ends (segments.py)
+    ... the segment is closed
+    RELEASE (SHM + FORGET, segment id) ->       unmap the mapping kept of it
 
 A connection that closes ends its leases: what the peer may still map is never
 written again.
@@ -101,7 +104,10 @@ class ShmChannel(Channel):
         raise ProtocolError(f"unknown shared-memory buffer mode {how}")
 
     def released(self, conn, token: int, flags: int) -> None:
-        segments.release(conn, token, bool(flags & F.F_RETIRE))
+        if flags & F.F_FORGET:
+            segments.forget(conn, token)
+        else:
+            segments.release(conn, token, bool(flags & F.F_RETIRE))
 
     def close(self, conn) -> None:
         segments.connection_closed(conn)
