@@ -68,3 +68,61 @@ def reset_peak_rss():
     """Make VmHWM start again from the current RSS (Linux: clear_refs 5)."""
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")
+
+
+# --------------------------------------------------------------------------- fresh tensors
+# The callee returns a tensor it creates, as programs do (a result, a gradient, a
+# parameter): not the buffer it received.
+
+def fresh_clone(x):
+    return x.clone()
+
+
+def fresh_mul2(x):
+    return x * 2
+
+
+# --------------------------------------------------------------------------- parameter server
+# One server holds the model; trainers pull its parameters, compute a gradient on a
+# batch of their own, and push it.  Module state lives in the server process only.
+
+PS_IN, PS_HIDDEN, PS_OUT = 1024, 2048, 1024  # 2 x 2M weights + biases: 16 MiB of float32
+PS_BATCH = 16
+PS_LR = 1e-3
+_ps: dict = {}
+
+
+def ps_model():
+    import torch
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(PS_IN, PS_HIDDEN), torch.nn.ReLU(),
+                               torch.nn.Linear(PS_HIDDEN, PS_OUT))
+
+
+def ps_setup(trainers):
+    """On the server: the model, its lock, and a barrier the trainers meet at."""
+    import threading
+    import torch
+    model = ps_model()
+    with torch.no_grad():
+        params = [p.detach().clone() for p in model.parameters()]
+    _ps.update(params=params, lock=threading.Lock(),
+               barrier=threading.Barrier(trainers, timeout=120))
+    return sum(p.numel() * p.element_size() for p in params)
+
+
+def ps_pull():
+    """The current parameters, as fresh tensors (a snapshot taken under the lock)."""
+    with _ps["lock"]:
+        return [p.clone() for p in _ps["params"]]
+
+
+def ps_push(grads):
+    with _ps["lock"]:
+        for p, g in zip(_ps["params"], grads):
+            p.add_(g, alpha=-PS_LR)
+
+
+def ps_meet():
+    """Blocks until every trainer has arrived (the timed steps start together)."""
+    _ps["barrier"].wait()

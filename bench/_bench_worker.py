@@ -39,6 +39,15 @@ ECHO_SIZES = [
 ]
 # The same sweep with the network channel forced (TCP, buffers through the socket).
 NET_ECHO_SIZES = ECHO_SIZES[1:]
+# The fresh-tensor rows: the callee returns a tensor it creates (``FRESH_OPS``), and the
+# caller reads every element of the reply; same host and TCP forced.
+FRESH_SIZES = [
+    ("1MiB", 1 << 20),
+    ("16MiB", 16 << 20),
+    ("64MiB", 64 << 20),
+    ("256MiB", 256 << 20),
+]
+FRESH_OPS = {"clone": "t.clone()", "mul2": "t * 2"}
 # Options that force it, understood by both libraries (torch's names: "uv" is
 # TensorPipe's TCP transport, "basic" its through-the-socket channel).
 NET_OPTIONS = {"_transports": ["uv"], "_channels": ["basic"]}
@@ -256,6 +265,55 @@ def _run_metrics(rpc, cfg, q):
            n=n_async)
 
     _echo_sweep(rpc, cfg, q, ECHO_SIZES, "")
+    _fresh_sweep(rpc, cfg, q, "")
+
+
+def _floor_ms(op, x, warm, iters):
+    """Milliseconds of the callee's own op on ``x`` plus one copy of its result into warm
+    memory, here in the caller's process: what a round trip cannot go below."""
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        warm.copy_(op(x))
+        times.append(time.perf_counter() - t0)
+    return _median(times) * 1e3
+
+
+def _fresh_sweep(rpc, cfg, q, prefix):
+    """Round trips where the callee returns a new tensor (``FRESH_OPS``) and the caller
+    reads every element of the reply, for each of ``FRESH_SIZES``; metrics
+    ``{prefix}fresh_{op}_{label}_ms``, and (same host) the floor of each in this
+    process, ``floor_{op}_{label}_ms``, and the ratio of the two."""
+    import torch
+
+    import _bench_funcs
+
+    def metric(name, value, **extra):
+        q.put(("metric", name, value, extra))
+
+    for label, nbytes in FRESH_SIZES:
+        iters = cfg["fresh_iters"][label]
+        x = torch.empty(nbytes // 4).uniform_()
+        for op in FRESH_OPS:
+            fn = getattr(_bench_funcs, f"fresh_{op}")
+            y = rpc.rpc_sync("worker1", fn, args=(x,))
+            if not torch.equal(y, fn(x)):
+                raise AssertionError(f"{label} {op} returned a wrong value")
+            times = []
+            for _ in range(iters):
+                t0 = time.perf_counter()
+                y = rpc.rpc_sync("worker1", fn, args=(x,))
+                y.sum().item()  # the caller reads every element of the reply
+                times.append(time.perf_counter() - t0)
+            del y
+            med = _median(times) * 1e3
+            metric(f"{prefix}fresh_{op}_{label}_ms", med, iters=iters,
+                   times_ms=[round(t * 1e3, 2) for t in times])
+            if not prefix:
+                floor = _floor_ms(fn, x, torch.empty_like(x).fill_(0), iters)
+                metric(f"floor_{op}_{label}_ms", floor, iters=iters)
+                metric(f"fresh_{op}_{label}_over_floor", med / floor)
+        del x
 
 
 def _echo_sweep(rpc, cfg, q, sizes, prefix):
@@ -322,6 +380,7 @@ def child_main(lib, rank, port, cfg, q):
             where = "metrics"
             if cfg.get("network"):
                 _echo_sweep(rpc, cfg, q, NET_ECHO_SIZES, "net_")
+                _fresh_sweep(rpc, cfg, q, "net_")
             else:
                 _run_metrics(rpc, cfg, q)
         where = "shutdown"
