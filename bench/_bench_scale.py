@@ -1,7 +1,8 @@
 """``./run bench --scale``: how long ``init_rpc`` takes for 8, 32 and 64 workers on one host.
 
 A *zygote* process (spawned) imports the library, then forks the N workers, so that
-import time is not counted and every worker starts at once.  Each worker notes the
+import time is not counted; the workers wait until all are forked, then call
+``init_rpc`` together (forking 64 processes of this size takes seconds).  Each worker notes the
 wall clock when it calls ``init_rpc`` and when it returns; init time = last return -
 first call.  Then every worker shuts down (graceful), and the zygote reports.  The
 libraries alternate, round by round.
@@ -21,10 +22,11 @@ from _bench_procs import free_port, kill_all
 SCALE_SIZES = (8, 32, 64)
 
 
-def _worker(rpc, rank, n, port, w) -> None:
+def _worker(rpc, rank, n, port, w, go) -> None:
     try:
         import ctypes
         ctypes.CDLL(None).prctl(1, 9)  # PR_SET_PDEATHSIG, SIGKILL: die with the zygote
+        os.read(go, 1)
         opts = rpc.TensorPipeRpcBackendOptions(init_method=f"tcp://127.0.0.1:{port}")
         t0 = time.time()
         rpc.init_rpc(f"worker{rank}", rank=rank, world_size=n, rpc_backend_options=opts)
@@ -44,13 +46,15 @@ def zygote_main(lib, n, port, cfg, q) -> None:
     try:
         rpc, _ = _bench_worker._load_lib(lib, cfg)
         r, w = os.pipe()
+        go_r, go_w = os.pipe()
         for rank in range(n):
             pid = os.fork()
             if pid == 0:
                 os.close(r)
-                _worker(rpc, rank, n, port, w)
+                _worker(rpc, rank, n, port, w, go_r)
             pids.append(pid)
         os.close(w)
+        os.write(go_w, b"g" * n)
         inits, downs, errors, buf = {}, {}, [], b""
         deadline = time.monotonic() + cfg["scale_timeout"]
         while len(downs) + len(errors) < n and time.monotonic() < deadline:

@@ -523,3 +523,33 @@ def test_torch_options_object_is_adopted():
         return value.tolist(), timeout
 
     assert run_world(body, 2, init=False, timeout=60) == [([1.0, 1.0], 20.0), ([2.0, 2.0], 20.0)]
+
+
+def _listening(port: int, table: str) -> bool:
+    """Does ``/proc/net/<table>`` list a socket listening on ``port``?"""
+    with open(f"/proc/net/{table}") as f:
+        rows = [line.split() for line in f.readlines()[1:]]
+    return any(int(r[1].rsplit(":", 1)[1], 16) == port and r[3] == "0A" for r in rows)
+
+
+def test_the_store_serves_over_ipv4_and_shares_a_port_served_in_process():
+    """rank 0's store listens on IPv4: a dual-stack socket sees loopback peers as
+    ::ffff:127.0.0.1, whose reverse lookup (the store names every client) goes to DNS;
+    a resolver dropping one of a burst stalled a 32-worker join for 5 s.  A store
+    already serving the port in this process is shared, as torch's multi_tenant does."""
+    from torchwire._bootstrap.rendezvous import open_store
+
+    def body(index, _world_size, _unused):
+        port = _free_port()
+        if index == 1:  # the user's own store on the port first (a gloo group, say)
+            own = dist.TCPStore("127.0.0.1", port, 1, True, timedelta(seconds=10),
+                                wait_for_workers=False, multi_tenant=True)
+            own.set("torchwire/mine", "1")
+        store = open_store(f"tcp://127.0.0.1:{port}", 0, 1, 10)[0]
+        store.set("key", "value")
+        shared = index == 1 and store.get("mine") == b"1"
+        return _listening(port, "tcp"), _listening(port, "tcp6"), shared
+
+    (v4, v6, _), (_, _, shared) = run_world(body, 2, init=False, timeout=60)
+    assert v4 and not v6
+    assert shared

@@ -118,8 +118,10 @@ def open_store(init_method: str, rank: int | None, world_size: int | None, timeo
             _wait_for_port(host, port, deadline)
             td = timedelta(seconds=max(0.5, deadline - time.monotonic()))
         try:
+            listen_fd = _ipv4_listener(host, port) if is_master else None
             store = dist.TCPStore(host, port, world_size, is_master, td,
-                                  wait_for_workers=False, multi_tenant=True)
+                                  wait_for_workers=False, multi_tenant=True,
+                                  master_listen_fd=listen_fd)
         except Exception as exc:
             if is_master:
                 raise RendezvousError(
@@ -145,6 +147,36 @@ def open_store(init_method: str, rank: int | None, world_size: int | None, timeo
         raise ValueError(f"unsupported init_method {init_method!r}: use env://, tcp://host:port "
                          "or file:///path")
     return dist.PrefixStore(prefix, store), rank, world_size, store_host
+
+
+def _ipv4_listener(host: str, port: int) -> int | None:
+    """A listening IPv4 socket on every interface at ``port`` for the store's server, or
+    None to let the store bind its own (a host with an IPv6 address, which clients may
+    try first, or the port already served in this process: the store then shares that
+    server, ``multi_tenant``).
+
+    The store's own socket is IPv6 dual-stack, so every client appears to it as
+    ``::ffff:a.b.c.d``, and it names each one with a reverse lookup that
+    ``/etc/hosts`` cannot answer for such an address: one DNS query per connection,
+    made in the server's only thread.  A resolver that drops one of a burst of them
+    (32 workers joining at once) stalled every join for its 5 s timeout.  Over IPv4 a
+    loopback peer is named from ``/etc/hosts``.
+    """
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except OSError:
+        return None
+    if not infos or any(family != socket.AF_INET for family, *_ in infos):
+        return None
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(("0.0.0.0", port))
+        sock.listen(socket.SOMAXCONN)
+    except OSError:
+        sock.close()
+        return None
+    return sock.detach()
 
 
 def _agent_store(scheme: str) -> bool:
