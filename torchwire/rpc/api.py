@@ -18,14 +18,18 @@ from .. import _rref
 from .._agent.future import Future
 from .._agent.invoke import _thread_local_var, check_call, invoke_async
 from .._agent.runtime import current, require_agent, require_runtime
-from .._base.options import (DEFAULT_SHUTDOWN_TIMEOUT, UNSET_RPC_TIMEOUT, BackendType,
-                             RpcBackendOptions, TorchwireRpcBackendOptions)
+from .._base.options import (DEFAULT_SHUTDOWN_TIMEOUT, UNSET_RPC_TIMEOUT,
+                             TorchwireRpcBackendOptions)
 from .._base.worker_info import WorkerInfo, check_worker_name
 from .._bootstrap import runtime as _runtime
+from .._bootstrap.collectives import AllGatherStates
 from .._bootstrap.collectives import (_all_gather, _barrier,  # noqa: F401 - torch's private API
                                       _broadcast_to_followers, _gather_to_leader,
                                       _wait_all_workers)
 from .._rref import RRef
+from . import backend_registry
+from . import options as _options
+from ._unsupported import _use_rpc_pickler  # noqa: F401 - torch's private API
 
 log = logging.getLogger("torchwire")
 
@@ -55,14 +59,19 @@ def init_rpc(name, backend=None, rank=-1, world_size=None, rpc_backend_options=N
 
     Args:
         name: globally unique name (letters, digits, ``_``, ``-``, ``:``; < 128 chars).
-        backend: ``None`` or a :class:`BackendType` (all map to torchwire's backend).
+        backend: ``None`` or ``BackendType.TENSORPIPE`` (torchwire's backend; also
+            torch's own ``BackendType.TENSORPIPE``).
         rank: this worker's rank, ``0 <= rank < world_size`` (a dynamic group: unique,
             0..32767); taken from ``RANK`` if -1.
         world_size: number of workers; taken from ``WORLD_SIZE`` if ``None``; neither:
             a dynamic group.
-        rpc_backend_options: a :class:`TorchwireRpcBackendOptions`.
+        rpc_backend_options: a :class:`TorchwireRpcBackendOptions`, or torch's
+            ``TensorPipeRpcBackendOptions`` (its fields are carried over).
 
     Raises:
+        TypeError: ``backend`` is not a ``BackendType``; the options are another
+            backend's (torch's messages).
+        NotImplementedError: ``backend`` is one registered with ``register_backend``.
         ValueError: bad name, rank or world size, or bad ``init_method``.
         RendezvousError: duplicate name or rank, unreachable store, missing peers; a
             static and a dynamic member in one store; the dynamic group's lock not
@@ -79,8 +88,12 @@ def init_rpc(name, backend=None, rank=-1, world_size=None, rpc_backend_options=N
         >>> rpc.shutdown()
     """
     check_worker_name(name)
-    if backend is not None and not isinstance(backend, BackendType):
-        raise TypeError(f"Argument backend must be a member of BackendType, got {backend!r}")
+    if backend is not None:
+        backend = backend_registry.resolve(backend)
+        if not backend_registry.is_torchwire(backend):
+            raise NotImplementedError(
+                f"torchwire.rpc.init_rpc starts torchwire's own backend only, not "
+                f"{backend!r} (registered with register_backend)")
     if rank is None:
         rank = -1
     if not isinstance(rank, int) or isinstance(rank, bool):
@@ -89,40 +102,9 @@ def init_rpc(name, backend=None, rank=-1, world_size=None, rpc_backend_options=N
         raise ValueError(f"world_size must be a positive int, got {world_size!r}")
     options = rpc_backend_options if rpc_backend_options is not None \
         else TorchwireRpcBackendOptions()
-    _runtime.start(name, rank, world_size, _adopt_options(options, backend))
-
-
-def _adopt_options(options, backend):
-    """Accept torchwire's options, or torch's TensorPipe options (converted)."""
-    if isinstance(options, TorchwireRpcBackendOptions):
-        return options
-    try:
-        from torch._C._distributed_rpc import _TensorPipeRpcBackendOptionsBase as torch_tp
-    except ImportError:
-        torch_tp = ()
-    if not isinstance(options, torch_tp):
-        # torch's phrases: code that handles these errors matches on them
-        if not isinstance(options, RpcBackendOptions):
-            raise TypeError("Argument rpc_backend_options must be an instance of "
-                            f"RpcBackendOptions, got {type(options).__name__}")
-        if backend is None:
-            raise TypeError(f"Could not infer backend for options {options!r}: pass "
-                            "torchwire.rpc.TensorPipeRpcBackendOptions")
-        raise TypeError("`rpc_backend_options` must be a `TensorPipeRpcBackendOptions` "
-                        f"(torchwire.rpc.TorchwireRpcBackendOptions), got "
-                        f"{type(options).__name__}")
-    try:
-        return TorchwireRpcBackendOptions(
-            num_worker_threads=getattr(options, "num_worker_threads", 16),
-            rpc_timeout=getattr(options, "rpc_timeout", 60.0),
-            init_method=getattr(options, "init_method", "env://"),
-            device_maps=getattr(options, "device_maps", None) or None,
-            devices=getattr(options, "devices", None) or None,
-            _transports=getattr(options, "_transports", None),
-            _channels=getattr(options, "_channels", None))
-    except AttributeError as exc:
-        raise TypeError(f"rpc_backend_options must be TorchwireRpcBackendOptions, got "
-                        f"{type(options).__name__}") from exc
+    options = _options.adopt(options, backend is not None)
+    backend_registry.init_backend(backend or backend_registry.BackendType.TENSORPIPE,
+                                  None, name, rank, world_size, options)
 
 
 def shutdown(graceful: bool = True, timeout: float = DEFAULT_SHUTDOWN_TIMEOUT) -> None:
@@ -141,10 +123,14 @@ def shutdown(graceful: bool = True, timeout: float = DEFAULT_SHUTDOWN_TIMEOUT) -
         timeout: bound on the graceful wait in seconds; 0 (default) waits as long as
             the workers that have not arrived are alive (a dead worker ends the wait).
 
+    A worker that died or froze does not make it fail: the others shut down without
+    it and log a warning naming it.
+
     Raises:
         RpcStateError: RPC is not initialized.
-        RpcTimeoutError: the graceful phase timed out or a worker died (the local
-            shutdown is still carried out).
+        RpcTimeoutError: the graceful phase passed ``timeout``, or the rendezvous store
+            is gone (rank 0 hosted it, with ``tcp://`` or ``env://``, and died); the
+            local shutdown is still carried out.
     """
     if timeout is None or timeout <= 0:
         timeout = float("inf")
@@ -286,3 +272,24 @@ def rpc_sync(to, func, args=None, kwargs=None, timeout=UNSET_RPC_TIMEOUT):
     """
     agent, info, args, kwargs, timeout = check_call(to, func, args, kwargs, timeout)
     return agent.call(info, func, args, kwargs, timeout, None, True).wait()
+
+
+def method_factory(method_name: str, docstring: str | None):
+    """torch's helper that gives ``RRef`` a documented Python method per method of its
+    C++ base: here, a function that runs ``RRef``'s own ``method_name``."""
+    implementation = _RREF_METHODS[method_name]
+
+    def method(self, *args, **kwargs):
+        return implementation(self, *args, **kwargs)
+
+    method.__name__ = method_name
+    method.__doc__ = docstring
+    return method
+
+
+_RREF_METHODS = {name: value for name, value in vars(RRef).items() if callable(value)}
+# torch leaves the last method its loop made under this name (RRef.to_here)
+new_method = method_factory("to_here", RRef.to_here.__doc__)
+
+__all__ = ["shutdown", "get_worker_info", "remote", "rpc_sync", "rpc_async", "RRef",
+           "AllGatherStates", "method_factory", "new_method"]
