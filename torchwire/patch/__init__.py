@@ -125,8 +125,8 @@ def _rebind() -> None:
             _originals[name] = sys.modules.pop(name)
     for name, target in sorted(MODULES.items(), key=lambda item: item[0].count(".")):
         sys.modules[name] = importlib.import_module(target)
-    dist.rpc = sys.modules["torch.distributed.rpc"]  # type: ignore[attr-defined]
-    dist.autograd = sys.modules["torch.distributed.autograd"]  # type: ignore[attr-defined]
+    dist.rpc = sys.modules["torch.distributed.rpc"]
+    dist.autograd = sys.modules["torch.distributed.autograd"]
     for (module, cls), target in CLASSES.items():
         setattr(importlib.import_module(module), cls,
                 getattr(importlib.import_module(target), cls))
@@ -169,4 +169,4 @@ def _patch_multiprocessing() -> None:
         return spawnv(path, patched_args(args), passfds)
 
     spawnv_passfds._torchwire_patch = True  # type: ignore[attr-defined]
-    util.spawnv_passfds = spawnv_passfds
+    util.spawnv_passfds = spawnv_passfds  # type: ignore[assignment]

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 
@@ -38,7 +40,7 @@ log = logging.getLogger("torchwire")
 _ignore_rref_leak = True
 
 
-def _get_current_rpc_agent():
+def _get_current_rpc_agent() -> Any:
     """The current agent (torch's private lookup: "Current RPC agent is not set" otherwise)."""
     return require_agent(lookup=True)
 
@@ -48,7 +50,8 @@ def is_available() -> bool:
     return True
 
 
-def init_rpc(name, backend=None, rank=-1, world_size=None, rpc_backend_options=None) -> None:
+def init_rpc(name: str, backend: Any = None, rank: int = -1, world_size: int | None = None,
+             rpc_backend_options: Any = None) -> None:
     """Join the job as worker ``name`` and start serving RPCs.
 
     With a world size, blocks until every worker of the job has joined (or the init
@@ -139,7 +142,7 @@ def shutdown(graceful: bool = True, timeout: float = DEFAULT_SHUTDOWN_TIMEOUT) -
                   _ignore_rref_leak)
 
 
-def _delete_all_user_and_unforked_owner_rrefs(timeout=None) -> None:
+def _delete_all_user_and_unforked_owner_rrefs(timeout: float | None = None) -> None:
     """Delete every user RRef of this worker (graceful shutdown calls it, as torch's)."""
     rt = current.runtime
     if rt is not None:
@@ -150,30 +153,33 @@ def _rref_context_get_debug_info() -> dict[str, int]:
     """RRef counters of this worker: ``num_owner_rrefs`` (values with forks elsewhere),
     ``num_forks``, ``num_live_values`` (every value owned here that is still alive),
     ``num_pending_users``, ``num_pending_children``, ``num_user_rrefs``."""
-    return require_runtime().rrefs.debug_info()
+    info: dict[str, int] = require_runtime().rrefs.debug_info()
+    return info
 
 
-def get_worker_info(worker_name=None) -> WorkerInfo:
+def get_worker_info(worker_name: str | int | None = None) -> WorkerInfo:
     """:class:`WorkerInfo` of ``worker_name`` (a name or rank), or of this worker if ``None``.
 
     Raises:
         UnknownWorkerError: no worker has that name.
         RpcStateError: RPC is not initialized.
     """
-    return require_agent().get_worker_info(worker_name)
+    info: WorkerInfo = require_agent().get_worker_info(worker_name)
+    return info
 
 
-def stats() -> dict:
+def stats() -> dict[str, Any]:
     """This worker's counters: calls sent and served, pending calls, connections, bytes.
 
     torchwire addition (torch has no equivalent); handy for monitoring and tests.
     """
-    return require_agent().stats()
+    counters: dict[str, Any] = require_agent().stats()
+    return counters
 
 
 def get_rpc_timeout() -> float:
     """The default timeout of calls, in seconds, as set by ``rpc_timeout``."""
-    return require_agent().rpc_timeout
+    return float(require_agent().rpc_timeout)
 
 
 def _set_rpc_timeout(rpc_timeout: float) -> None:
@@ -184,7 +190,8 @@ def _set_rpc_timeout(rpc_timeout: float) -> None:
     require_agent().rpc_timeout = float(rpc_timeout)
 
 
-def remote(to, func, args=None, kwargs=None, timeout=UNSET_RPC_TIMEOUT) -> RRef:
+def remote(to: str | int | WorkerInfo, func: Callable[..., Any], args: Any = None,
+           kwargs: dict[str, Any] | None = None, timeout: float = UNSET_RPC_TIMEOUT) -> RRef:
     """Run ``func(*args, **kwargs)`` on worker ``to`` and keep the result there.
 
     Returns at once a user :class:`RRef` to the result; the callee owns the value.
@@ -207,11 +214,12 @@ def remote(to, func, args=None, kwargs=None, timeout=UNSET_RPC_TIMEOUT) -> RRef:
         >>> x = rref1.to_here() + rref2.to_here()
     """
     _agent, info, args, kwargs, timeout = check_call(to, func, args, kwargs, timeout)
-    return _rref.context().remote(info, func, args, kwargs, timeout)
+    rref: RRef = _rref.context().remote(info, func, args, kwargs, timeout)
+    return rref
 
 
 @contextlib.contextmanager
-def _wait_all():
+def _wait_all() -> Iterator[None]:
     """Collect every future ``rpc_async`` returns in the block; wait for them at its end
     (torch's private helper)."""
     _thread_local_var.future_list = []
@@ -224,7 +232,9 @@ def _wait_all():
             del _thread_local_var.future_list
 
 
-def rpc_async(to, func, args=None, kwargs=None, timeout=UNSET_RPC_TIMEOUT) -> Future:
+def rpc_async(to: str | int | WorkerInfo, func: Callable[..., Any], args: Any = None,
+              kwargs: dict[str, Any] | None = None, timeout: float = UNSET_RPC_TIMEOUT
+              ) -> Future:
     """Run ``func(*args, **kwargs)`` on worker ``to``; return a future of the result.
 
     Args:
@@ -254,7 +264,8 @@ def rpc_async(to, func, args=None, kwargs=None, timeout=UNSET_RPC_TIMEOUT) -> Fu
     return invoke_async(to, func, args, kwargs, timeout)
 
 
-def rpc_sync(to, func, args=None, kwargs=None, timeout=UNSET_RPC_TIMEOUT):
+def rpc_sync(to: str | int | WorkerInfo, func: Callable[..., Any], args: Any = None,
+             kwargs: dict[str, Any] | None = None, timeout: float = UNSET_RPC_TIMEOUT) -> Any:
     """Run ``func(*args, **kwargs)`` on worker ``to`` and return its result.
 
     Same arguments as :func:`rpc_async`; blocks until the reply arrives.
@@ -274,12 +285,12 @@ def rpc_sync(to, func, args=None, kwargs=None, timeout=UNSET_RPC_TIMEOUT):
     return agent.call(info, func, args, kwargs, timeout, None, True).wait()
 
 
-def method_factory(method_name: str, docstring: str | None):
+def method_factory(method_name: str, docstring: str | None) -> Callable[..., Any]:
     """torch's helper that gives ``RRef`` a documented Python method per method of its
     C++ base: here, a function that runs ``RRef``'s own ``method_name``."""
     implementation = _RREF_METHODS[method_name]
 
-    def method(self, *args, **kwargs):
+    def method(self: RRef, *args: Any, **kwargs: Any) -> Any:
         return implementation(self, *args, **kwargs)
 
     method.__name__ = method_name

@@ -42,7 +42,7 @@ def _backend_type_repr(self: enum.Enum) -> str:
 
 def _make_enum(members: dict[str, BackendValue]) -> Any:
     made = enum.Enum("BackendType", members)  # type: ignore[misc]
-    made.__repr__ = _backend_type_repr  # type: ignore[method-assign]
+    made.__repr__ = _backend_type_repr  # type: ignore[assignment]
     made.__doc__ = _DOC
     made.__module__ = __name__
     return made
