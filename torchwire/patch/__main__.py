@@ -21,6 +21,10 @@ def main(argv: list[str]) -> None:
     if not argv or argv[0] in ("-h", "--help") or (argv[0] == "-m" and len(argv) < 2):
         print(_USAGE, file=sys.stderr if not argv or argv[0] == "-m" else sys.stdout)
         raise SystemExit(0 if argv and argv[0] in ("-h", "--help") else 2)
+    if argv[0] != "-m" and not os.path.exists(argv[0]):
+        print(f"python -m torchwire.patch: can't open file {argv[0]!r}: no such file",
+              file=sys.stderr)
+        raise SystemExit(2)
     install()
     if argv[0] == "-m":
         sys.argv = [argv[1], *argv[2:]]
@@ -28,10 +32,6 @@ def main(argv: list[str]) -> None:
         runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
         return
     script = argv[0]
-    if not os.path.exists(script):
-        print(f"python -m torchwire.patch: can't open file {script!r}: no such file",
-              file=sys.stderr)
-        raise SystemExit(2)
     sys.argv = list(argv)
     sys.path[0] = os.path.dirname(os.path.abspath(script))
     runpy.run_path(script, run_name="__main__")
