@@ -21,6 +21,7 @@ from .._agent.runtime import require_agent
 from .._base.options import (DEFAULT_INIT_METHOD, DEFAULT_RPC_TIMEOUT_SEC,
                              TorchwireRpcBackendOptions)
 from .._bootstrap import runtime as _runtime
+from . import options as _options
 
 __all__ = ["backend_registered", "register_backend", "construct_rpc_backend_options",
            "init_backend", "BackendValue", "BackendType"]
@@ -127,12 +128,12 @@ def _construct_rpc_backend_options_handler(rpc_timeout: float, init_method: str,
 
 
 def _init_backend_handler(store: Any, name: str, rank: int, world_size: int | None,
-                          rpc_backend_options: TorchwireRpcBackendOptions) -> Any:
+                          rpc_backend_options: Any) -> Any:
     if store is not None:
         raise NotImplementedError(
             "torchwire's backend makes its own store from the options' init_method; it "
             "cannot start on a store made by the caller (pass store=None)")
-    _runtime.start(name, rank, world_size, rpc_backend_options)
+    _runtime.start(name, rank, world_size, _options.adopt(rpc_backend_options, True))
     return require_agent()
 
 
