@@ -2,58 +2,32 @@
 
 torch's RPC test modules import ``torch.distributed.rpc``, ``torch.distributed.autograd``,
 ``torch.distributed.optim.DistributedOptimizer`` and ``torch.distributed.nn.RemoteModule``.
-:func:`install` rebinds those names, in ``sys.modules`` and as attributes of their parent
-packages, to torchwire's modules, before the test modules are imported.  Nothing of
-torch's test code is copied: it is imported from the installed torch and reads torchwire.
+:func:`install` runs the product's :func:`torchwire.patch.install`, which rebinds those
+names, in ``sys.modules`` and as attributes of their parent packages, to torchwire's,
+before the test modules are imported.  Nothing of torch's test code is copied: it is
+imported from the installed torch and reads torchwire.
 
-A name that torch's module has and torchwire's lacks (a feature not built yet, or one of
-torch's internals) resolves to a :class:`Missing` placeholder.  Importing it works, so a
-test module loads; *using* it raises :class:`MissingFeature`, so only the tests that use
-it fail, with a message that names what is missing.  A name neither module has raises
-``AttributeError`` as usual.
+On top of the patch, for the whole suite (``placeholders=True``): a name that torch's
+module has and torchwire's lacks (one of torch's internals) resolves to a
+:class:`Missing` placeholder, and so does a submodule torchwire has no counterpart for.
+Importing it works, so a test module loads; *using* it raises :class:`MissingFeature`,
+so only the tests that use it fail, with a message that names what is missing.  A name
+neither module has raises ``AttributeError`` as usual.  With ``placeholders=False`` the
+patch stands alone, as a user gets it.
 """
 
 from __future__ import annotations
 
-import importlib
 import importlib.abc
 import importlib.machinery
 import sys
 import types
 
-# torch module -> torchwire modules to try, first found wins.  Several candidates because
-# torchwire's private layout moves (``rpc/_api.py`` may become ``rpc/api.py``).
-TARGETS: dict[str, tuple[str, ...]] = {
-    "torch.distributed.rpc": ("torchwire.rpc",),
-    "torch.distributed.rpc.api": ("torchwire.rpc.api", "torchwire.rpc._api"),
-    "torch.distributed.rpc.functions": ("torchwire.rpc.functions",),
-    "torch.distributed.rpc.constants": ("torchwire.rpc.constants",),
-    "torch.distributed.rpc.options": ("torchwire.rpc.options",),
-    "torch.distributed.rpc.backend_registry": ("torchwire.rpc.backend_registry",),
-    "torch.distributed.rpc.internal": ("torchwire.rpc.internal", "torchwire.rpc._internal"),
-    "torch.distributed.rpc.rref_proxy": ("torchwire.rpc.rref_proxy",),
-    "torch.distributed.rpc.server_process_global_profiler": (),
-    "torch.distributed.rpc._utils": (),
-    "torch.distributed.autograd": ("torchwire.autograd",),
-}
-
-# Names taken from torch as they are: plain Python helpers of the test code itself that
-# involve no RPC machinery (``RPCExecMode`` only selects rpc_sync / rpc_async / remote).
-PASSTHROUGH: dict[str, tuple[str, ...]] = {
-    "torch.distributed.rpc.internal": ("RPCExecMode",),
-}
-
-# Single classes replaced inside torch packages that stay torch's own.
-CLASS_TARGETS: dict[tuple[str, str], tuple[str, ...]] = {
-    ("torch.distributed.optim", "DistributedOptimizer"): ("torchwire.optim",),
-    ("torch.distributed.nn", "RemoteModule"): ("torchwire.nn",),
-    ("torch.distributed.nn.api.remote_module", "RemoteModule"): ("torchwire.nn",),
-}
+import torchwire.patch as patch
 
 _PREFIXES = ("torch.distributed.rpc.", "torch.distributed.autograd.")
 
-REAL: dict[str, types.ModuleType] = {}   # torch's own modules, by name, as they were
-RESOLVED: dict[str, str] = {}            # torch module name -> what now stands for it
+RESOLVED: dict[str, str] = {}            # torch name -> what now stands for it
 _installed = False
 
 
@@ -90,19 +64,9 @@ class Missing:
         return f"<missing in torchwire: {self._qualname}>"
 
 
-def _find(candidates) -> types.ModuleType | None:
-    for name in candidates:
-        try:
-            return importlib.import_module(name)
-        except ModuleNotFoundError as exc:
-            if exc.name is None or not name.startswith(exc.name):
-                raise       # the module exists but an import inside it is broken
-    return None
-
-
-def _fallback_getattr(torch_name: str, module: types.ModuleType | None):
-    """A module ``__getattr__``: submodule aliases, then Missing for torch's names."""
-    previous = getattr(module, "__getattr__", None) if module is not None else None
+def _fallback_getattr(torch_name: str, module: types.ModuleType):
+    """A module ``__getattr__``: submodule stand-ins, then Missing for torch's names."""
+    previous = getattr(module, "__getattr__", None)
 
     def __getattr__(name: str):
         if previous is not None:
@@ -113,9 +77,7 @@ def _fallback_getattr(torch_name: str, module: types.ModuleType | None):
         sub = sys.modules.get(f"{torch_name}.{name}")
         if sub is not None and f"{torch_name}.{name}" in RESOLVED:
             return sub
-        real = REAL.get(torch_name)
-        if name in PASSTHROUGH.get(torch_name, ()):
-            return getattr(real, name)
+        real = patch.original(torch_name)
         if not name.startswith("__") and real is not None and hasattr(real, name):
             return Missing(f"{torch_name}.{name}")
         raise AttributeError(f"module {torch_name!r} (torchwire stand-in) has no "
@@ -125,22 +87,24 @@ def _fallback_getattr(torch_name: str, module: types.ModuleType | None):
     return __getattr__
 
 
-def _stand_in(torch_name: str) -> types.ModuleType:
-    """torchwire's module for ``torch_name``, or an empty one whose names are Missing."""
-    module = _find(TARGETS.get(torch_name, ()))
-    if module is None:
-        module = types.ModuleType(torch_name, f"torchwire has no stand-in for {torch_name}")
-        module.__path__ = []   # lets ``import torch.distributed.autograd.x`` reach the finder
-        RESOLVED[torch_name] = "<missing>"
-    else:
-        RESOLVED[torch_name] = module.__name__
+def _with_fallback(torch_name: str, module: types.ModuleType) -> types.ModuleType:
     if not getattr(getattr(module, "__getattr__", None), "__compat_fallback__", False):
         module.__getattr__ = _fallback_getattr(torch_name, module)
     return module
 
 
+def _stand_in(torch_name: str) -> types.ModuleType:
+    """An empty module for a part of torch torchwire has no counterpart of: its names
+    are Missing."""
+    module = types.ModuleType(torch_name, f"torchwire has no stand-in for {torch_name}")
+    module.__path__ = []   # lets ``import torch.distributed.autograd.x`` reach the finder
+    RESOLVED[torch_name] = "<missing>"
+    return _with_fallback(torch_name, module)
+
+
 class _StandInFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    """Serves ``torch.distributed.rpc.<anything>`` imported later, as a stand-in."""
+    """Serves ``torch.distributed.rpc.<anything>`` that torchwire lacks, as a stand-in
+    (ahead of the patch's finder, which refuses them)."""
 
     def find_spec(self, fullname, path=None, target=None):
         if fullname.startswith(_PREFIXES) and fullname not in sys.modules:
@@ -154,42 +118,18 @@ class _StandInFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         pass
 
 
-def install() -> dict[str, str]:
-    """Rebind torch's RPC modules to torchwire's; idempotent.  Returns what maps to what."""
+def install(placeholders: bool = True) -> dict[str, str]:
+    """Install torchwire.patch and, with ``placeholders``, the Missing stand-ins;
+    idempotent.  Returns what maps to what."""
     global _installed
     if _installed:
         return RESOLVED
-    import torch.distributed as dist
-    # Import torch's users of RPC first, so that their own internals keep torch's modules.
-    import torch.distributed.nn  # noqa: F401
-    import torch.distributed.optim  # noqa: F401
-    import torch.distributed.rpc  # noqa: F401
-
-    for name in list(sys.modules):
-        if name in TARGETS or name.startswith(_PREFIXES):
-            REAL[name] = sys.modules[name]
-    for name in TARGETS:
-        if name not in REAL:
-            try:
-                REAL[name] = importlib.import_module(name)
-            except ImportError:
-                pass
-    for name in sorted(set(TARGETS) | set(REAL), key=lambda n: n.count(".")):
-        module = _stand_in(name)
-        sys.modules[name] = module   # submodules are reached through the fallback
-    dist.rpc = sys.modules["torch.distributed.rpc"]
-    dist.autograd = sys.modules["torch.distributed.autograd"]
-
-    for (package, attr), candidates in CLASS_TARGETS.items():
-        module = _find(candidates)
-        value = getattr(module, attr, None) if module is not None else None
-        if value is None:
-            value = Missing(f"{package}.{attr}")
-        RESOLVED[f"{package}.{attr}"] = (f"{module.__name__}.{attr}"
-                                         if not isinstance(value, Missing) else "<missing>")
-        setattr(importlib.import_module(package), attr, value)
-
-    sys.meta_path.insert(0, _StandInFinder())
+    RESOLVED.update(patch.install())
+    if placeholders:
+        for name in patch.MODULES:
+            _with_fallback(name, sys.modules[name])
+        sys.meta_path.insert(0, _StandInFinder())
     _installed = True
+    import torch.distributed
     assert torch.distributed.rpc is sys.modules["torch.distributed.rpc"]
     return RESOLVED

@@ -107,6 +107,15 @@ class ForkHelper(MultiProcessTestCase):
         super().run_test(test_name, parent_pipe)
 
 
+def _fixture() -> type:
+    """torch's own TensorPipe fixture under torchwire.patch alone, else torchwire's."""
+    if os.environ.get("TORCHWIRE_COMPAT_PATCH_ONLY") == "1":
+        from torch.testing._internal.distributed.rpc.tensorpipe_rpc_agent_test_fixture import (
+            TensorPipeRpcAgentTestFixture)
+        return TensorPipeRpcAgentTestFixture
+    return TorchwireRpcAgentTestFixture
+
+
 def build_classes(module_name: str) -> dict[str, type]:
     """``{class name: runnable TestCase}`` for every suite in :data:`SUITES`."""
     import importlib
@@ -115,7 +124,7 @@ def build_classes(module_name: str) -> dict[str, type]:
     for module, name in SUITES:
         suite = getattr(importlib.import_module(
             f"torch.testing._internal.distributed.rpc.{module}"), name)
-        cls = type(name, (suite, TorchwireRpcAgentTestFixture, ForkHelper), {})
+        cls = type(name, (suite, _fixture(), ForkHelper), {})
         cls.__module__ = module_name
         cls.__qualname__ = name
         classes[name] = cls

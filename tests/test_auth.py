@@ -593,3 +593,21 @@ def test_listener_binds_the_chosen_interface_not_every_interface():
     # Asked for every interface: it binds 0.0.0.0 but advertises an address peers can dial.
     assert run_world(body, 2, timeout=60, _transports=["tcp"], listen_addr="0.0.0.0") == [
         ("0.0.0.0", "127.0.0.1", 1), ("0.0.0.0", "127.0.0.1", 2)]
+
+
+def test_a_job_across_hosts_without_a_secret_warns_once(caplog):
+    from types import SimpleNamespace
+
+    from torchwire._bootstrap.runtime import warn_if_unauthenticated
+
+    def recs(*hosts):
+        return [SimpleNamespace(rank=r, host=h) for r, h in enumerate(hosts)]
+
+    token, user = JobAuth(None), JobAuth(b"s", source="options")
+    with caplog.at_level(logging.WARNING, logger="torchwire"):
+        assert warn_if_unauthenticated(recs("a", "b"), token, 0)
+        assert not warn_if_unauthenticated(recs("a", "b"), token, 1)   # rank 0 tells the job
+        assert not warn_if_unauthenticated(recs("a", "a"), token, 0)   # one host
+        assert not warn_if_unauthenticated(recs("a", "b"), user, 0)    # a secret of the user's
+    assert [r.levelname for r in caplog.records] == ["WARNING"]
+    assert "2 hosts and no auth_secret" in caplog.records[0].getMessage()

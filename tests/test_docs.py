@@ -48,3 +48,84 @@ def test_guide_snippet_runs(code, expect, tmp_path):
                          timeout=90, cwd=tmp_path)
     assert out.returncode == 0, out.stdout + out.stderr
     assert any(expect in line for line in out.stdout.splitlines()), out.stdout + out.stderr
+
+
+def test_every_option_is_in_the_readme():
+    import inspect
+
+    from torchwire.rpc import TorchwireRpcBackendOptions
+    readme = (DOCS.parent / "README.md").read_text()
+    fields = [p.name for p in inspect.signature(TorchwireRpcBackendOptions).parameters.values()
+              if p.kind is p.KEYWORD_ONLY]
+    assert len(fields) >= 20 and "heartbeat_timeout" in fields
+    undocumented = [f for f in fields if f"`{f}`" not in readme]
+    assert not undocumented, f"options missing from README.md: {undocumented}"
+
+
+def _environment_reads(path: Path) -> set[str]:
+    """Names of the environment variables a module reads: keys of ``os.environ[...]``,
+    ``os.environ.get``, ``os.getenv`` and ``in os.environ``, resolved through module
+    constants, loops over literal tuples, and parameters of helpers called with
+    literal keys."""
+    import ast
+    tree = ast.parse(path.read_text())
+    consts = {t.id: n.value.value for n in tree.body if isinstance(n, ast.Assign)
+              for t in n.targets if isinstance(t, ast.Name)
+              and isinstance(n.value, ast.Constant) and isinstance(n.value.value, str)}
+
+    def is_environ(node) -> bool:
+        return isinstance(node, ast.Attribute) and node.attr == "environ"
+
+    keys = []  # (key expression, enclosing function or None)
+
+    def visit(node, func):
+        for child in ast.iter_child_nodes(node):
+            inner = child if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)) else func
+            if isinstance(child, ast.Call) and isinstance(child.func, ast.Attribute) and (
+                    (child.func.attr == "get" and is_environ(child.func.value))
+                    or child.func.attr == "getenv") and child.args:
+                keys.append((child.args[0], func))
+            elif isinstance(child, ast.Subscript) and is_environ(child.value):
+                keys.append((child.slice, func))
+            elif isinstance(child, ast.Compare) and any(is_environ(c) for c in child.comparators):
+                keys.append((child.left, func))
+            visit(child, inner)
+
+    visit(tree, None)
+    loops = {}  # loop variable -> literal strings it runs over
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.comprehension, ast.For)) and isinstance(node.target, ast.Name) \
+                and isinstance(node.iter, (ast.Tuple, ast.List)):
+            loops[node.target.id] = [e.value for e in node.iter.elts
+                                     if isinstance(e, ast.Constant)]
+    found = set()
+    for key, func in keys:
+        if isinstance(key, ast.Constant):
+            found.add(key.value)
+        elif isinstance(key, ast.Name) and key.id in consts:
+            found.add(consts[key.id])
+        elif isinstance(key, ast.Name) and key.id in loops:
+            found.update(loops[key.id])
+        elif isinstance(key, ast.Name) and func is not None and \
+                key.id in [a.arg for a in func.args.args]:
+            index = [a.arg for a in func.args.args].index(key.id)
+            calls = [n for n in ast.walk(tree) if isinstance(n, ast.Call)
+                     and isinstance(n.func, ast.Name) and n.func.id == func.name]
+            found.update(c.args[index].value for c in calls if len(c.args) > index
+                         and isinstance(c.args[index], ast.Constant))
+        else:
+            raise AssertionError(f"{path}: cannot tell which variable {ast.unparse(key)} is")
+    return found
+
+
+def test_every_environment_variable_the_code_reads_is_in_the_readme():
+    readme = (DOCS.parent / "README.md").read_text()
+    section = re.search(r"^## Environment variables\n(.*?)(?=^## )", readme, re.S | re.M)
+    assert section, "README.md has no '## Environment variables' section"
+    read = set()
+    for path in sorted((DOCS.parent / "torchwire").rglob("*.py")):
+        read |= _environment_reads(path)
+    assert {"TORCHWIRE_SECRET", "TORCHWIRE_LISTEN_ADDR", "TORCHWIRE_SOCKBUF", "RANK",
+            "MASTER_PORT", "TORCHELASTIC_USE_AGENT_STORE"} <= read, read
+    undocumented = sorted(v for v in read if f"`{v}`" not in section.group(1))
+    assert not undocumented, f"environment variables missing from README.md: {undocumented}"

@@ -79,3 +79,15 @@ def test_example_runs_unchanged_under_torchrun(tmp_path):
                            env=env_free)
     assert out.count("== torchwire.examples.parameter_server:") == 1  # rank 0 only
     assert fig["world_size"] == 3 and fig["accuracy"] > 0.8, fig
+
+
+def test_a_missing_examples_extra_gives_a_one_line_hint(tmp_path):
+    # gymnasium made unimportable, as in an install without the examples extra
+    code = ("import runpy, sys; sys.modules['gymnasium'] = None; "
+            "runpy.run_module('torchwire.examples.rl', run_name='__main__')")
+    out = subprocess.run([sys.executable, "-c", code, "--steps", "1", "--plot", ""],
+                         capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert out.returncode == 2, out.stderr
+    assert out.stderr.strip().splitlines() == [
+        "torchwire.examples needs the examples extra (missing: gymnasium): "
+        "pip install 'torchwire[examples]'"]

@@ -48,9 +48,9 @@ def keep(name, rref):
     return True
 
 
-def _start(fn, world_size):
+def _start(fn, world_size, init_method=None):
     """Fork ``world_size`` ranks running ``fn(rank, world_size, init_method)``."""
-    init_method = new_init_method()
+    init_method = init_method or new_init_method()
     procs = []
     for rank in range(world_size):
         parent, child = _ctx.Pipe(duplex=False)
@@ -302,6 +302,37 @@ def test_worker_killed_before_anyone_connected_to_it_is_reported_at_once():
     finally:
         _reap(procs)
     assert calls < 0.5 and shutdown < 5
+
+
+def test_rank_0_death_ends_the_others_shutdown_with_an_error_when_it_hosted_the_store():
+    # tcp:// (and env:// outside torchrun): rank 0 hosts the rendezvous store, which the
+    # graceful shutdown's rounds go through; with it gone they cannot complete.
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+
+    def body(rank, world_size, init_method):
+        from _cluster import die
+        rpc.init_rpc(f"worker{rank}", rank=rank, world_size=world_size,
+                     rpc_backend_options=options(init_method))
+        if rank == 0:
+            die("died")
+        assert wait_until(lambda: not _probe_alive(0), 10)
+        t0 = time.monotonic()
+        with pytest.raises(torchwire.RpcTimeoutError, match="the rendezvous store is gone"):
+            rpc.shutdown()
+        took = time.monotonic() - t0
+        with pytest.raises(torchwire.RpcStateError):  # the local shutdown was carried out
+            rpc.rpc_sync("worker1", add, args=(1, 1))
+        return took
+
+    procs = _start(body, 3, f"tcp://127.0.0.1:{port}")
+    try:
+        assert _result(procs, 0) == "died"
+        took = [_result(procs, 1), _result(procs, 2)]
+    finally:
+        _reap(procs)
+    assert max(took) < 20, took  # not the 30 s rpc_timeout of a store wait, nor a hang
 
 
 def _probe_alive(rank):

@@ -11,6 +11,7 @@ namespaces cannot be created (not root, no iproute2, no veth or bridge).
 from __future__ import annotations
 
 import ctypes
+import logging
 import multiprocessing as mp
 import os
 import shutil
@@ -112,8 +113,18 @@ def hosts():
         h.close()
 
 
+class _Warnings(logging.Handler):
+    """torchwire's warnings in this (forked) worker, init's included."""
+
+    messages: list[str] = []
+
+    def emit(self, record):
+        self.messages.append(record.getMessage())
+
+
 def _child(conn, hosts, rank, init_method, body, opts):
     try:
+        logging.getLogger("torchwire").addHandler(_Warnings(logging.WARNING))
         hosts.enter(rank)
         rpc.init_rpc(f"worker{rank}", rank=rank, world_size=3,
                      rpc_backend_options=options(init_method, listen_addr=hosts.addrs[rank],
@@ -157,11 +168,15 @@ def test_three_hosts_talk_over_tcp(hosts):
     def body(rank):
         peers = [r for r in range(3) if r != rank]
         got = [rpc.rpc_sync(f"worker{r}", add, args=(rank, r)) for r in peers]
-        return got, rpc.api._get_current_rpc_agent().stats()["transports"]
+        warned = [m for m in _Warnings.messages if "no auth_secret" in m]
+        return got, rpc.api._get_current_rpc_agent().stats()["transports"], warned
 
-    for rank, (got, transports) in enumerate(_run(hosts, body)):
+    for rank, (got, transports, warned) in enumerate(_run(hosts, body)):
         assert got == [rank + r for r in range(3) if r != rank]
         assert transports == ["tcp"]
+        # no secret across hosts: one warning for the job, by rank 0, naming the risk
+        assert len(warned) == (rank == 0), warned
+        assert not warned or ("3 hosts" in warned[0] and "can join the job" in warned[0])
 
 
 def test_cut_link_honours_deadlines_and_a_restored_link_works_at_once(hosts):

@@ -14,6 +14,7 @@ from __future__ import annotations
 import copy
 import logging
 import threading
+from typing import Any
 
 import torch
 
@@ -105,7 +106,7 @@ class Future(torch.futures.Future):
         I/O threads included.  Only for short, non-blocking bookkeeping."""
         torch._C.Future.add_done_callback(self, callback)
 
-    def wait(self):
+    def wait(self) -> Any:
         """Block until done; return the value or raise the error.
 
         Unlike torch's future, the error raised is a copy of the stored one: the
@@ -157,7 +158,7 @@ class SyncReply:
     def done(self) -> bool:
         return self._done
 
-    def wait(self):
+    def wait(self) -> Any:
         """Block until done; return the value or raise (a copy of) the error, as
         :meth:`Future.wait`."""
         if not self._done:

@@ -8,17 +8,22 @@ futures that torch's private ``_wait_all`` block waits for.
 from __future__ import annotations
 
 import threading
+from typing import TYPE_CHECKING, Any, Callable
 
 from .._base.options import resolve_timeout
 from .._base.worker_info import WorkerInfo
 from .runtime import require_agent
+
+if TYPE_CHECKING:
+    from .future import Future
 
 # torch's name (``rpc.api._thread_local_var``): inside ``_wait_all()`` its
 # ``future_list`` collects the futures ``rpc_async`` returns on this thread
 _thread_local_var = threading.local()
 
 
-def check_call(to, func, args, kwargs, timeout):
+def check_call(to: Any, func: Callable[..., Any], args: Any, kwargs: Any, timeout: Any
+               ) -> tuple[Any, WorkerInfo, tuple[Any, ...] | None, dict[str, Any] | None, float]:
     """Validate a call.
 
     Returns:
@@ -43,7 +48,8 @@ def check_call(to, func, args, kwargs, timeout):
     return agent, info, args, kwargs, resolve_timeout(timeout, agent.rpc_timeout)
 
 
-def invoke_async(to, func, args, kwargs, timeout):
+def invoke_async(to: Any, func: Callable[..., Any], args: Any, kwargs: Any,
+                 timeout: Any) -> Future:
     """``rpc_async``: send the call, return its future (collected inside ``_wait_all``)."""
     agent, info, args, kwargs, timeout = check_call(to, func, args, kwargs, timeout)
     fut = agent.call(info, func, args, kwargs, timeout)
@@ -54,7 +60,7 @@ def invoke_async(to, func, args, kwargs, timeout):
     return fut
 
 
-def invoke_sync(to, func, args, kwargs, timeout):
+def invoke_sync(to: Any, func: Callable[..., Any], args: Any, kwargs: Any, timeout: Any) -> Any:
     """``rpc_sync``: send the call and wait for its result."""
     agent, info, args, kwargs, timeout = check_call(to, func, args, kwargs, timeout)
     return agent.call(info, func, args, kwargs, timeout, None, True).wait()

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import enum
-
 from . import devices as _devices
 
 DEFAULT_RPC_TIMEOUT_SEC = 60.0
@@ -14,13 +12,6 @@ DEFAULT_SHUTDOWN_TIMEOUT = 0.0
 DEFAULT_HEARTBEAT_INTERVAL = 1.0
 DEFAULT_HEARTBEAT_TIMEOUT = 10.0
 DEFAULT_MAX_MESSAGE_SIZE = 1 << 40  # 1 TiB: effectively "what the process can hold"
-
-
-class BackendType(enum.Enum):
-    """RPC backends.  torchwire has one; ``TENSORPIPE`` names it for ported code."""
-
-    TORCHWIRE = "TORCHWIRE"
-    TENSORPIPE = "TORCHWIRE"  # alias: programs written for torch pass this
 
 
 class RpcBackendOptions:

@@ -21,12 +21,19 @@ from .._base.options import DEFAULT_SHUTDOWN_TIMEOUT, UNSET_RPC_TIMEOUT
 log = logging.getLogger("torchwire")
 
 
-class _Round:
-    __slots__ = ("objects", "done")
+class AllGatherStates:
+    """One gather round (torch's name and fields): the objects gathered so far, and the
+    event set once every worker's is in."""
+
+    __slots__ = ("gathered_objects", "proceed_signal")
 
     def __init__(self) -> None:
-        self.objects: dict = {}
-        self.done = threading.Event()
+        self.gathered_objects: dict = {}
+        self.proceed_signal = threading.Event()
+
+    def __repr__(self) -> str:
+        return (f"<AllGatherStates gathered={len(self.gathered_objects)} "
+                f"done={self.proceed_signal.is_set()}>")
 
 
 class Collectives:
@@ -35,16 +42,16 @@ class Collectives:
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.sequence: dict[str, int] = {}
-        self.rounds: dict[str, _Round] = {}
+        self.rounds: dict[str, AllGatherStates] = {}
 
     def __repr__(self) -> str:
         return f"<Collectives rounds={len(self.rounds)} sets={len(self.sequence)}>"
 
-    def round(self, seq_id: str) -> _Round:
+    def round(self, seq_id: str) -> AllGatherStates:
         with self.lock:
             r = self.rounds.get(seq_id)
             if r is None:
-                r = self.rounds[seq_id] = _Round()
+                r = self.rounds[seq_id] = AllGatherStates()
             return r
 
     def next_id(self, key: str) -> str:
@@ -70,20 +77,20 @@ def _gather_to_leader(seq_id: str, name: str, obj, names) -> None:
     state = _state()
     r = state.round(seq_id)
     with state.lock:
-        if name in r.objects:
+        if name in r.gathered_objects:
             raise AssertionError(f"{name} reported intent sequence id {seq_id} twice.")
-        r.objects[name] = obj
-        if set(names) == set(r.objects):
-            r.done.set()
+        r.gathered_objects[name] = obj
+        if set(names) == set(r.gathered_objects):
+            r.proceed_signal.set()
 
 
 def _broadcast_to_followers(seq_id: str, objects: dict) -> None:
     """On a follower: every worker's object of round ``seq_id``."""
     r = _state().round(seq_id)
-    if r.done.is_set():
+    if r.proceed_signal.is_set():
         raise AssertionError(f"Termination signal sequence id {seq_id} got set twice.")
-    r.objects = objects
-    r.done.set()
+    r.gathered_objects = objects
+    r.proceed_signal.set()
 
 
 def _all_gather(obj, worker_names=None, timeout: float = UNSET_RPC_TIMEOUT) -> dict:
@@ -113,14 +120,15 @@ def _all_gather(obj, worker_names=None, timeout: float = UNSET_RPC_TIMEOUT) -> d
     else:
         invoke_sync(leader, _gather_to_leader, (seq_id, me, obj, names), None, rpc_timeout)
     r = state.round(seq_id)
-    if not _wait(r.done, wait_for, agent):
+    if not _wait(r.proceed_signal, wait_for, agent):
         with state.lock:
-            missing = sorted(names - set(r.objects)) if me == leader else [leader]
+            missing = sorted(names - set(r.gathered_objects)) if me == leader else [leader]
         state.forget(seq_id)
         raise RpcTimeoutError(f"timed out in _all_gather after {wait_for:.2f} seconds "
                               f"waiting for {', '.join(missing)}")
     if me == leader:
-        futs = {f: invoke_async(f, _broadcast_to_followers, (seq_id, r.objects), None,
+        gathered = r.gathered_objects
+        futs = {f: invoke_async(f, _broadcast_to_followers, (seq_id, gathered), None,
                                 rpc_timeout) for f in sorted(names - {leader})}
         errors = []
         for follower, fut in futs.items():
@@ -134,7 +142,7 @@ def _all_gather(obj, worker_names=None, timeout: float = UNSET_RPC_TIMEOUT) -> d
                                   f"_all_gather after {rpc_timeout:.2f} seconds. The first "
                                   f"exception is {errors[0][1]}")
     state.forget(seq_id)
-    return r.objects
+    return r.gathered_objects
 
 
 def _wait(event: threading.Event, timeout: float | None, agent) -> bool:

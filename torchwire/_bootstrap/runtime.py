@@ -76,6 +76,7 @@ def start(name: str, rank: int, world_size: int | None, options) -> Runtime:
                                   max(0.001, deadline - time.monotonic()))
                 records = [WorkerRecord.from_json(r) for r in found]
                 devices.check_all(records)  # the same data on every worker: the same error
+            warn_if_unauthenticated(records, auth, rank)
             router = devices.Router(name, records)
             ser.hooks.set_device_router(router.target if router else None)
             agent = RpcAgent(name, rank, world_size, options, store, store_host, listener,
@@ -119,7 +120,7 @@ def stop(graceful: bool, timeout: float, delete_users=None, ignore_leak: bool = 
 
     Raises:
         RpcStateError: RPC is not initialized.
-        RpcTimeoutError: the graceful phase timed out or a worker died.
+        RpcTimeoutError: the graceful phase passed its timeout, or the store is gone.
         RRefError: "Leaking RRef" (with ``ignore_leak=False``).
     """
     rt = current.runtime
@@ -137,6 +138,21 @@ def stop(graceful: bool, timeout: float, delete_users=None, ignore_leak: bool = 
                 current.runtime = None
     if leaks:
         raise RRefError(f"Leaking RRef(s) on {agent.name} at shutdown: " + "; ".join(leaks))
+
+
+def warn_if_unauthenticated(records: list[WorkerRecord], auth: JobAuth, rank: int) -> bool:
+    """Log one warning (on the lowest rank) when the job spans hosts and its connections
+    are authenticated only by the token in the rendezvous store.  Returns whether it did."""
+    hosts = {r.host for r in records}
+    if auth.source != "rendezvous" or len(hosts) < 2 or rank != min(r.rank for r in records):
+        return False
+    log.warning(
+        "torchwire: this job's workers run on %d hosts and no auth_secret (or "
+        "TORCHWIRE_SECRET) is set, so connections are authenticated only by a random token "
+        "kept in the rendezvous store: anyone who can read the store can join the job and "
+        "run code on every worker (RPC unpickles what it receives). Give every worker the "
+        "same auth_secret (and TLS files to encrypt the links).", len(hosts))
+    return True
 
 
 def _record(name: str, rank: int, options, listener: Listener, store_host, auth) -> dict:

@@ -9,12 +9,16 @@ from __future__ import annotations
 
 import enum
 import threading
+from typing import TYPE_CHECKING
 
 from .._agent.future import Future
 from .._agent.runtime import current
 from .._agent.state import AgentState
 from .._base import threads
 from .._base.errors import RpcTimeoutError, not_initialized
+
+if TYPE_CHECKING:
+    from .context import RRefContext
 
 Id = tuple
 
@@ -23,7 +27,7 @@ def gid(i: Id) -> str:
     return f"GloballyUniqueId(created_on={i[0]}, local_id={i[1]})"
 
 
-def context():
+def context() -> RRefContext:
     """This process's RRef context.
 
     Raises:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+from typing import Any
 
 import torch
 
@@ -12,6 +13,7 @@ from .._agent.invoke import check_call, invoke_async
 from .._agent.runtime import current, require_runtime
 from .._base.errors import RpcTimeoutError, RRefError
 from .._base.options import UNSET_RPC_TIMEOUT, resolve_timeout
+from .._base.worker_info import WorkerInfo
 from .handlers import proxy_invoke, rref_fetch, rref_type, type_of
 from .records import Entry, Event, UserState, context, gid
 
@@ -86,7 +88,7 @@ class RRef:
         """Whether this worker owns the value."""
         return self._entry is not None
 
-    def owner(self):
+    def owner(self) -> WorkerInfo:
         """:class:`WorkerInfo` of the owner."""
         return context().agent.get_worker_info(self._owner)
 
@@ -98,7 +100,7 @@ class RRef:
         """Whether the owner knows of this reference (always True on the owner)."""
         return self._entry is not None or self._user.confirmed
 
-    def local_value(self):
+    def local_value(self) -> Any:
         """The value, on the owner (waits until a ``remote()`` creating it finished).
 
         Raises:
@@ -178,7 +180,7 @@ class RRef:
         require_runtime(lookup=True).autograd.rref_backward(self, dist_autograd_ctx_id,
                                                             retain_graph)
 
-    def _get_future(self):
+    def _get_future(self) -> Future:
         """The future of the ``remote()`` that created this RRef (done for other RRefs)."""
         fut = self._creation
         if fut is None:
@@ -231,7 +233,7 @@ class RRef:
     __str__ = __repr__
 
 
-def remote(to, func, args, kwargs, timeout):
+def remote(to: Any, func: Any, args: Any, kwargs: Any, timeout: Any) -> RRef:
     """``rpc.remote``: run ``func`` on ``to`` and keep the result there; a user RRef."""
     _agent, info, args, kwargs, timeout = check_call(to, func, args, kwargs, timeout)
     return context().remote(info, func, args, kwargs, timeout)

@@ -17,7 +17,10 @@ with the caches cold (as they are between messages).
 from __future__ import annotations
 
 import threading
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+_T = TypeVar("_T")
 
 
 class _Tls(threading.local):
@@ -38,7 +41,7 @@ class _GradState(threading.local):
 grad = _GradState()
 
 
-def grad_context():
+def grad_context() -> int | None:
     """The autograd context id requests sent from this thread carry (None: none)."""
     return grad.context
 
@@ -49,7 +52,7 @@ def set_grad_context(context_id) -> Any:
     return prev
 
 
-def outside_grad_context(fn, *args):
+def outside_grad_context(fn: Callable[..., _T], *args: Any) -> _T:
     """``fn(*args)`` with no autograd context on this thread (control traffic of the
     runtime: releases, a backward pass's messages, optimizer steps); the thread's
     context is restored after."""

@@ -52,7 +52,7 @@ class context:
         self.autograd_context = _new_context()
         return self.autograd_context.id
 
-    def __exit__(self, exc_type, exc_value, tb) -> None:
+    def __exit__(self, exc_type: object, exc_value: object, tb: object) -> None:
         _release_context(self.autograd_context.id)
 
     def __repr__(self) -> str:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
 import json
 import multiprocessing as mp
 import os
@@ -86,8 +87,25 @@ def under_torchrun() -> bool:
     return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR"))
 
 
+# what the examples import from their extra (pyproject.toml, "examples"), by import name
+_EXTRA = {"sklearn": "scikit-learn", "gymnasium": "gymnasium", "tqdm": "tqdm",
+          "matplotlib": "matplotlib"}
+
+
+def missing_extra(args: argparse.Namespace) -> list[str]:
+    """The packages of the examples extra that are not installed (matplotlib only when
+    a plot is asked for)."""
+    return [pkg for mod, pkg in _EXTRA.items()
+            if (mod != "matplotlib" or args.plot) and importlib.util.find_spec(mod) is None]
+
+
 def launch(worker, args: argparse.Namespace) -> int:
     """Run ``worker(job)`` on every process of the job; return an exit status."""
+    missing = missing_extra(args)
+    if missing:  # one line here, rather than a traceback from each worker
+        print(f"torchwire.examples needs the examples extra (missing: {', '.join(missing)}): "
+              "pip install 'torchwire[examples]'", file=sys.stderr)
+        return 2
     if under_torchrun():
         world = int(os.environ["WORLD_SIZE"])
         if world < args.min_world:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+from typing import Any, NoReturn
+
 import torch
 from torch import nn
 
@@ -11,7 +14,7 @@ from .._agent.runtime import require_agent
 from .._base.errors import RpcStateError, SerializationError
 
 
-def _parse_remote_device(remote_device: str) -> tuple:
+def _parse_remote_device(remote_device: str) -> tuple[str | int, str]:
     """``"worker1/cpu"``, ``"worker1"``, ``"rank:1/cuda:0"`` -> (worker name or rank, device).
 
     Raises:
@@ -24,23 +27,24 @@ def _parse_remote_device(remote_device: str) -> tuple:
     if len(parts) > 2 or not parts[0]:
         raise ValueError(f"Could not parse remote_device: {remote_device}. The valid format "
                          "is '<workername>/<device>' or 'rank:<rank>/<device>'")
-    where = parts[0]
+    where: str | int = parts[0]
     device = parts[1] if len(parts) == 2 else "cpu"
     try:
         dev = torch.device(device)
     except RuntimeError as exc:
         raise ValueError(f"Could not parse remote_device: {remote_device}: invalid device "
                          f"{device!r} ({exc})") from None
-    if where.startswith("rank:"):
+    if parts[0].startswith("rank:"):
         try:
-            where = int(where[len("rank:"):])
+            where = int(parts[0][len("rank:"):])
         except ValueError:
             raise ValueError(f"Could not parse remote_device: {remote_device}: the rank in "
                              f"{parts[0]!r} is not an integer") from None
     return where, str(dev)
 
 
-def _create_module(module_cls, args, kwargs, device: str):
+def _create_module(module_cls: Callable[..., nn.Module], args: tuple[Any, ...],
+                   kwargs: dict[str, Any], device: str) -> nn.Module:
     module = module_cls(*args, **kwargs)
     if not isinstance(module, nn.Module):
         raise ValueError("Expect `module_cls(*args, **kwargs)` returns an instance of <class "
@@ -48,7 +52,7 @@ def _create_module(module_cls, args, kwargs, device: str):
     return module.to(device)
 
 
-def _to_device(x, device):
+def _to_device(x: Any, device: str) -> Any:
     if isinstance(x, torch.Tensor):
         return x.to(device)
     if isinstance(x, (list, tuple)):
@@ -58,7 +62,8 @@ def _to_device(x, device):
     return x
 
 
-def _remote_forward(module_rref, device: str, is_device_map_set: bool, *args, **kwargs):
+def _remote_forward(module_rref: rpc.RRef, device: str, is_device_map_set: bool, *args: Any,
+                    **kwargs: Any) -> Any:
     module = module_rref.local_value()
     if torch.device(device).type == "cpu":
         return module.forward(*args, **kwargs)
@@ -66,11 +71,11 @@ def _remote_forward(module_rref, device: str, is_device_map_set: bool, *args, **
     return out if is_device_map_set else _to_device(out, "cpu")
 
 
-def _param_rrefs(module_rref, recurse: bool) -> list:
+def _param_rrefs(module_rref: rpc.RRef, recurse: bool) -> list[rpc.RRef]:
     return [rpc.RRef(p) for p in module_rref.local_value().parameters(recurse)]
 
 
-def _set_training(module_rref, mode: bool) -> None:
+def _set_training(module_rref: rpc.RRef, mode: bool) -> None:
     module_rref.local_value().train(mode)
 
 
@@ -112,8 +117,9 @@ class RemoteModule(nn.Module):
         >>> param_rrefs = linear.remote_parameters()    # for DistributedOptimizer
     """
 
-    def __init__(self, remote_device: str, module_cls, args=None, kwargs=None,
-                 _module_interface_cls=None) -> None:
+    def __init__(self, remote_device: str, module_cls: Callable[..., nn.Module],
+                 args: tuple[Any, ...] | None = None, kwargs: dict[str, Any] | None = None,
+                 _module_interface_cls: Any = None) -> None:
         super().__init__()
         self._prepare(remote_device)
         if _module_interface_cls is not None:
@@ -136,7 +142,8 @@ class RemoteModule(nn.Module):
         self.generated_methods = ("forward", "forward_async")
 
     @staticmethod
-    def init_from_module_rref(remote_device: str, module_rref, _module_interface_cls=None):
+    def init_from_module_rref(remote_device: str, module_rref: rpc.RRef,
+                              _module_interface_cls: Any = None) -> RemoteModule:
         """A RemoteModule around an existing module RRef (the module is shared, not copied)."""
         m = RemoteModule.__new__(RemoteModule)
         nn.Module.__init__(m)
@@ -147,42 +154,44 @@ class RemoteModule(nn.Module):
         m.module_rref = module_rref
         return m
 
-    def forward(self, *args, **kwargs):
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
         return rpc.rpc_sync(self.on, _remote_forward,
                             (self.module_rref, self.device, self.is_device_map_set, *args),
                             kwargs)
 
-    def forward_async(self, *args, **kwargs):
+    def forward_async(self, *args: Any, **kwargs: Any) -> rpc.Future:
         """Like ``forward``; returns a future of the output."""
         return rpc.rpc_async(self.on, _remote_forward,
                              (self.module_rref, self.device, self.is_device_map_set, *args),
                              kwargs)
 
-    def remote_parameters(self, recurse: bool = True) -> list:
+    def remote_parameters(self, recurse: bool = True) -> list[rpc.RRef]:
         """RRefs to the remote module's parameters (e.g. for ``DistributedOptimizer``)."""
-        return rpc.rpc_sync(self.on, _param_rrefs, args=(self.module_rref, recurse))
+        params: list[rpc.RRef] = rpc.rpc_sync(self.on, _param_rrefs,
+                                              args=(self.module_rref, recurse))
+        return params
 
-    def get_module_rref(self):
+    def get_module_rref(self) -> rpc.RRef:
         """The RRef to the remote ``nn.Module``."""
         return self.module_rref
 
-    def parameters(self, recurse: bool = True):
+    def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:
         raise ValueError("Method ``parameters`` not supported for RemoteModule. Please use "
                          "``remote_parameters`` instead.")
 
-    def train(self, mode: bool = True):
+    def train(self, mode: bool = True) -> RemoteModule:
         rpc.rpc_sync(self.on, _set_training, args=(self.module_rref, mode))
         self.training = mode
         return self
 
-    def eval(self):
+    def eval(self) -> RemoteModule:
         return self.train(False)
 
-    def __getstate__(self):
+    def __getstate__(self) -> NoReturn:
         raise SerializationError("Cannot pickle RemoteModule in python pickler. RemoteModule "
                                  "can only be pickled when using RPC")
 
-    def __setstate__(self, state):
+    def __setstate__(self, state: Any) -> NoReturn:
         raise SerializationError("Cannot unpickle RemoteModule in python pickler. "
                                  "RemoteModule can only be unpickled when using RPC")
 
@@ -191,8 +200,8 @@ class RemoteModule(nn.Module):
                f"module_rref={self.module_rref})"
 
 
-def _not_supported(name: str):
-    def method(self, *args, **kwargs):
+def _not_supported(name: str) -> Callable[..., NoReturn]:
+    def method(self: RemoteModule, *args: Any, **kwargs: Any) -> NoReturn:
         raise ValueError(f"Method ``{name}`` not supported for RemoteModule")
     method.__name__ = name
     return method
@@ -203,7 +212,8 @@ for _name in _UNSUPPORTED:
 del _name
 
 
-def _rebuild_remote_module(on, device, is_device_map_set, module_rref, training):
+def _rebuild_remote_module(on: str, device: str, is_device_map_set: bool, module_rref: rpc.RRef,
+                           training: bool) -> RemoteModule:
     m = RemoteModule.__new__(RemoteModule)
     nn.Module.__init__(m)
     m.on, m.device, m.is_device_map_set = on, device, is_device_map_set
@@ -214,7 +224,7 @@ def _rebuild_remote_module(on, device, is_device_map_set, module_rref, training)
     return m
 
 
-def _reduce_remote_module(m: RemoteModule):
+def _reduce_remote_module(m: RemoteModule) -> tuple[Callable[..., RemoteModule], tuple[Any, ...]]:
     return _rebuild_remote_module, (m.on, m.device, m.is_device_map_set, m.module_rref,
                                     m.training)
 

@@ -12,6 +12,9 @@ parameters update them one at a time).
 from __future__ import annotations
 
 import threading
+import types
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 
@@ -28,14 +31,15 @@ class _LocalOptimizer:
     # optimizers on one worker are assumed to share parameters: trainers' replicas)
     global_lock = threading.Lock()
 
-    def __init__(self, optimizer_class, params_rref, args, kwargs) -> None:
+    def __init__(self, optimizer_class: type[torch.optim.Optimizer], params_rref: list[RRef],
+                 args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         self._params = [r.local_value() for r in params_rref]
         self.optim = optimizer_class(self._params, *args, **kwargs)
         self._bare_step = _bare_step(self.optim)
 
     def step(self, context_id: int) -> None:
         ctx = _context.container().find(context_id)
-        grads = {}
+        grads: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         with _LocalOptimizer.global_lock:
             if ctx is not None:
                 with ctx.lock:
@@ -53,6 +57,7 @@ class _LocalOptimizer:
         return f"<_LocalOptimizer {type(self.optim).__name__} params={len(self._params)}>"
 
 
+_optimizer_module: types.ModuleType | None
 try:
     import torch.optim.optimizer as _optimizer_module
 except ImportError:
@@ -61,7 +66,7 @@ _GLOBAL_PRE = getattr(_optimizer_module, "_global_optimizer_pre_hooks", None)
 _GLOBAL_POST = getattr(_optimizer_module, "_global_optimizer_post_hooks", None)
 
 
-def _bare_step(optim):
+def _bare_step(optim: torch.optim.Optimizer) -> Callable[..., Any] | None:
     """``type(optim).step`` without the wrapper every torch optimizer's step gets
     (``Optimizer.profile_hook_step``: a profiler range, and the step pre and post
     hooks), or None where that wrapper is not found.  With the caches cold, as on a
@@ -74,14 +79,15 @@ def _bare_step(optim):
     if not getattr(step, "hooked", False) or inner is None or _GLOBAL_PRE is None or \
             _GLOBAL_POST is None:
         return None
-    return inner
+    bare: Callable[..., Any] = inner
+    return bare
 
 
 _SGD = torch.optim.SGD
 _set_grad_enabled = torch._C._set_grad_enabled
 
 
-def _plain_sgd_step(optim) -> bool:
+def _plain_sgd_step(optim: torch.optim.Optimizer) -> bool:
     """``SGD.step`` for plain SGD (no momentum, weight decay, maximize; a number as the
     learning rate; CPU parameters): ``param.add_(grad, alpha=-lr)`` for each parameter
     with a gradient, what ``torch.optim.SGD`` computes then (its ``_single_tensor_sgd``),
@@ -114,7 +120,7 @@ def _plain_sgd_step(optim) -> bool:
     return True
 
 
-def _hooks_registered(optim) -> bool:
+def _hooks_registered(optim: torch.optim.Optimizer) -> bool:
     return bool(_GLOBAL_PRE or _GLOBAL_POST or optim._optimizer_step_pre_hooks or
                 optim._optimizer_step_post_hooks)
 
@@ -123,7 +129,8 @@ def _local_step(opt_rref: RRef, context_id: int) -> None:
     opt_rref.local_value().step(context_id)
 
 
-def _create(optimizer_class, by_owner: dict, args, kwargs) -> list:
+def _create(optimizer_class: type[torch.optim.Optimizer], by_owner: dict[int, list[RRef]],
+            args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[RRef]:
     """One ``_LocalOptimizer`` on each owner, made by ``remote()``.
 
     Raises:
@@ -136,7 +143,7 @@ def _create(optimizer_class, by_owner: dict, args, kwargs) -> list:
     return rrefs
 
 
-def _start_steps(optimizers: list, context_id: int) -> list:
+def _start_steps(optimizers: list[RRef], context_id: int) -> list[Any]:
     """Ask every remote owner to step; the replies to wait for."""
     agent = require_agent()
     return [agent.call(r.owner(), _local_step, (r, context_id), None, agent.rpc_timeout,
@@ -166,12 +173,13 @@ class DistributedOptimizer:
         ...                                          #   torch.optim.SGD, model_rrefs, lr=0.05)
     """
 
-    def __init__(self, optimizer_class, params_rref, *args, **kwargs) -> None:
+    def __init__(self, optimizer_class: type[torch.optim.Optimizer],
+                 params_rref: Iterable[RRef], *args: Any, **kwargs: Any) -> None:
         params = list(params_rref)
         if not all(isinstance(r, RRef) for r in params):
             raise TypeError("DistributedOptimizer takes a list of parameter RRefs "
                             "(torchwire.rpc.RRef(param) for local ones)")
-        by_owner: dict[int, list] = {}
+        by_owner: dict[int, list[RRef]] = {}
         for r in params:
             by_owner.setdefault(r.owner().id, []).append(r)
         # set-up traffic belongs to no autograd context

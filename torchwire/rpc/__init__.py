@@ -14,17 +14,23 @@ from .._base.errors import (AuthenticationError, CallbackError, ConnectError,
                             WorkerUnavailableError)
 from .._agent.future import Future, install_wait_all
 from .._base.worker_info import WorkerInfo
-from . import constants, functions, internal  # noqa: F401
+from . import constants, functions, internal, options  # noqa: F401
 from .._rref import RRef
-from . import api  # noqa: F401 - torch has rpc.api too
+from . import api, backend_registry, rref_proxy  # noqa: F401 - torch has them too
 from .api import _set_rpc_timeout  # noqa: F401 - private, as in torch
 from .api import _delete_all_user_and_unforked_owner_rrefs  # noqa: F401
 from .api import _get_current_rpc_agent, _rref_context_get_debug_info  # noqa: F401
-from .api import (get_rpc_timeout, get_worker_info, init_rpc, is_available, remote,
-                  rpc_async, rpc_sync, shutdown, stats)
+from .api import (AllGatherStates, get_rpc_timeout, get_worker_info, init_rpc, is_available,
+                  method_factory, new_method, remote, rpc_async, rpc_sync, shutdown, stats)
+from .backend_registry import (BackendType, BackendValue, backend_registered,
+                               construct_rpc_backend_options, init_backend, register_backend)
+from ._unsupported import (_disable_jit_rref_pickle, _enable_jit_rref_pickle,  # noqa: F401
+                           _invoke_remote_torchscript, _invoke_rpc_torchscript,
+                           enable_gil_profiling)
+from .._autograd.context import container as _autograd_container
 from .._base.options import (DEFAULT_INIT_METHOD, DEFAULT_NUM_WORKER_THREADS,
                              DEFAULT_RPC_TIMEOUT_SEC, DEFAULT_SHUTDOWN_TIMEOUT, UNSET_RPC_TIMEOUT,
-                             BackendType, RpcBackendOptions, TensorPipeRpcBackendOptions,
+                             RpcBackendOptions, TensorPipeRpcBackendOptions,
                              TorchwireRpcBackendOptions)
 
 __all__ = [
@@ -33,12 +39,28 @@ __all__ = [
     "TorchwireRpcBackendOptions", "TensorPipeRpcBackendOptions", "RpcBackendOptions",
     "DEFAULT_INIT_METHOD", "DEFAULT_NUM_WORKER_THREADS", "DEFAULT_RPC_TIMEOUT_SEC",
     "DEFAULT_SHUTDOWN_TIMEOUT", "UNSET_RPC_TIMEOUT",
+    # the rest of torch's rpc.__all__
+    "AllGatherStates", "BackendValue", "backend_registered", "construct_rpc_backend_options",
+    "init_backend", "register_backend", "method_factory", "new_method",
     "TorchwireError", "RpcStateError", "RendezvousError", "WorkerUnavailableError",
     "RpcTimeoutError", "ProtocolError", "AuthenticationError", "LinkError",
     "ConnectionClosedError", "ConnectionBrokenError", "ConnectError", "SerializationError",
     "RemoteError", "UnknownWorkerError", "InvalidWorkerNameError", "RRefError",
     "DistAutogradError", "CallbackError", "RemoteCallError",
 ]
+
+
+
+def _get_debug_info() -> dict[str, int | str]:
+    """torch's private summary: the RRef counters, the agent's calls awaiting a reply
+    (a string, under torch's key) and distributed autograd's counters."""
+    info: dict[str, int | str] = dict(_rref_context_get_debug_info())
+    info["agent.num_pending_requests"] = str(_get_current_rpc_agent().stats()["pending"])
+    autograd = _autograd_container().debug_info()
+    info.update({k: autograd[k] for k in ("num_autograd_contexts",
+                                          "num_current_backward_passes")})
+    return info
+
 
 for _name in __all__:
     _obj = globals()[_name]

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 
@@ -18,14 +20,18 @@ from .. import _rref
 from .._agent.future import Future
 from .._agent.invoke import _thread_local_var, check_call, invoke_async
 from .._agent.runtime import current, require_agent, require_runtime
-from .._base.options import (DEFAULT_SHUTDOWN_TIMEOUT, UNSET_RPC_TIMEOUT, BackendType,
-                             RpcBackendOptions, TorchwireRpcBackendOptions)
+from .._base.options import (DEFAULT_SHUTDOWN_TIMEOUT, UNSET_RPC_TIMEOUT,
+                             TorchwireRpcBackendOptions)
 from .._base.worker_info import WorkerInfo, check_worker_name
 from .._bootstrap import runtime as _runtime
+from .._bootstrap.collectives import AllGatherStates
 from .._bootstrap.collectives import (_all_gather, _barrier,  # noqa: F401 - torch's private API
                                       _broadcast_to_followers, _gather_to_leader,
                                       _wait_all_workers)
 from .._rref import RRef
+from . import backend_registry
+from . import options as _options
+from ._unsupported import _use_rpc_pickler  # noqa: F401 - torch's private API
 
 log = logging.getLogger("torchwire")
 
@@ -34,7 +40,7 @@ log = logging.getLogger("torchwire")
 _ignore_rref_leak = True
 
 
-def _get_current_rpc_agent():
+def _get_current_rpc_agent() -> Any:
     """The current agent (torch's private lookup: "Current RPC agent is not set" otherwise)."""
     return require_agent(lookup=True)
 
@@ -44,7 +50,8 @@ def is_available() -> bool:
     return True
 
 
-def init_rpc(name, backend=None, rank=-1, world_size=None, rpc_backend_options=None) -> None:
+def init_rpc(name: str, backend: Any = None, rank: int = -1, world_size: int | None = None,
+             rpc_backend_options: Any = None) -> None:
     """Join the job as worker ``name`` and start serving RPCs.
 
     With a world size, blocks until every worker of the job has joined (or the init
@@ -55,14 +62,19 @@ def init_rpc(name, backend=None, rank=-1, world_size=None, rpc_backend_options=N
 
     Args:
         name: globally unique name (letters, digits, ``_``, ``-``, ``:``; < 128 chars).
-        backend: ``None`` or a :class:`BackendType` (all map to torchwire's backend).
+        backend: ``None`` or ``BackendType.TENSORPIPE`` (torchwire's backend; also
+            torch's own ``BackendType.TENSORPIPE``).
         rank: this worker's rank, ``0 <= rank < world_size`` (a dynamic group: unique,
             0..32767); taken from ``RANK`` if -1.
         world_size: number of workers; taken from ``WORLD_SIZE`` if ``None``; neither:
             a dynamic group.
-        rpc_backend_options: a :class:`TorchwireRpcBackendOptions`.
+        rpc_backend_options: a :class:`TorchwireRpcBackendOptions`, or torch's
+            ``TensorPipeRpcBackendOptions`` (its fields are carried over).
 
     Raises:
+        TypeError: ``backend`` is not a ``BackendType``; the options are another
+            backend's (torch's messages).
+        NotImplementedError: ``backend`` is one registered with ``register_backend``.
         ValueError: bad name, rank or world size, or bad ``init_method``.
         RendezvousError: duplicate name or rank, unreachable store, missing peers; a
             static and a dynamic member in one store; the dynamic group's lock not
@@ -79,8 +91,12 @@ def init_rpc(name, backend=None, rank=-1, world_size=None, rpc_backend_options=N
         >>> rpc.shutdown()
     """
     check_worker_name(name)
-    if backend is not None and not isinstance(backend, BackendType):
-        raise TypeError(f"Argument backend must be a member of BackendType, got {backend!r}")
+    if backend is not None:
+        backend = backend_registry.resolve(backend)
+        if not backend_registry.is_torchwire(backend):
+            raise NotImplementedError(
+                f"torchwire.rpc.init_rpc starts torchwire's own backend only, not "
+                f"{backend!r} (registered with register_backend)")
     if rank is None:
         rank = -1
     if not isinstance(rank, int) or isinstance(rank, bool):
@@ -89,40 +105,9 @@ def init_rpc(name, backend=None, rank=-1, world_size=None, rpc_backend_options=N
         raise ValueError(f"world_size must be a positive int, got {world_size!r}")
     options = rpc_backend_options if rpc_backend_options is not None \
         else TorchwireRpcBackendOptions()
-    _runtime.start(name, rank, world_size, _adopt_options(options, backend))
-
-
-def _adopt_options(options, backend):
-    """Accept torchwire's options, or torch's TensorPipe options (converted)."""
-    if isinstance(options, TorchwireRpcBackendOptions):
-        return options
-    try:
-        from torch._C._distributed_rpc import _TensorPipeRpcBackendOptionsBase as torch_tp
-    except ImportError:
-        torch_tp = ()
-    if not isinstance(options, torch_tp):
-        # torch's phrases: code that handles these errors matches on them
-        if not isinstance(options, RpcBackendOptions):
-            raise TypeError("Argument rpc_backend_options must be an instance of "
-                            f"RpcBackendOptions, got {type(options).__name__}")
-        if backend is None:
-            raise TypeError(f"Could not infer backend for options {options!r}: pass "
-                            "torchwire.rpc.TensorPipeRpcBackendOptions")
-        raise TypeError("`rpc_backend_options` must be a `TensorPipeRpcBackendOptions` "
-                        f"(torchwire.rpc.TorchwireRpcBackendOptions), got "
-                        f"{type(options).__name__}")
-    try:
-        return TorchwireRpcBackendOptions(
-            num_worker_threads=getattr(options, "num_worker_threads", 16),
-            rpc_timeout=getattr(options, "rpc_timeout", 60.0),
-            init_method=getattr(options, "init_method", "env://"),
-            device_maps=getattr(options, "device_maps", None) or None,
-            devices=getattr(options, "devices", None) or None,
-            _transports=getattr(options, "_transports", None),
-            _channels=getattr(options, "_channels", None))
-    except AttributeError as exc:
-        raise TypeError(f"rpc_backend_options must be TorchwireRpcBackendOptions, got "
-                        f"{type(options).__name__}") from exc
+    options = _options.adopt(options, backend is not None)
+    backend_registry.init_backend(backend or backend_registry.BackendType.TENSORPIPE,
+                                  None, name, rank, world_size, options)
 
 
 def shutdown(graceful: bool = True, timeout: float = DEFAULT_SHUTDOWN_TIMEOUT) -> None:
@@ -141,10 +126,14 @@ def shutdown(graceful: bool = True, timeout: float = DEFAULT_SHUTDOWN_TIMEOUT) -
         timeout: bound on the graceful wait in seconds; 0 (default) waits as long as
             the workers that have not arrived are alive (a dead worker ends the wait).
 
+    A worker that died or froze does not make it fail: the others shut down without
+    it and log a warning naming it.
+
     Raises:
         RpcStateError: RPC is not initialized.
-        RpcTimeoutError: the graceful phase timed out or a worker died (the local
-            shutdown is still carried out).
+        RpcTimeoutError: the graceful phase passed ``timeout``, or the rendezvous store
+            is gone (rank 0 hosted it, with ``tcp://`` or ``env://``, and died); the
+            local shutdown is still carried out.
     """
     if timeout is None or timeout <= 0:
         timeout = float("inf")
@@ -153,7 +142,7 @@ def shutdown(graceful: bool = True, timeout: float = DEFAULT_SHUTDOWN_TIMEOUT) -
                   _ignore_rref_leak)
 
 
-def _delete_all_user_and_unforked_owner_rrefs(timeout=None) -> None:
+def _delete_all_user_and_unforked_owner_rrefs(timeout: float | None = None) -> None:
     """Delete every user RRef of this worker (graceful shutdown calls it, as torch's)."""
     rt = current.runtime
     if rt is not None:
@@ -164,30 +153,33 @@ def _rref_context_get_debug_info() -> dict[str, int]:
     """RRef counters of this worker: ``num_owner_rrefs`` (values with forks elsewhere),
     ``num_forks``, ``num_live_values`` (every value owned here that is still alive),
     ``num_pending_users``, ``num_pending_children``, ``num_user_rrefs``."""
-    return require_runtime().rrefs.debug_info()
+    info: dict[str, int] = require_runtime().rrefs.debug_info()
+    return info
 
 
-def get_worker_info(worker_name=None) -> WorkerInfo:
+def get_worker_info(worker_name: str | int | None = None) -> WorkerInfo:
     """:class:`WorkerInfo` of ``worker_name`` (a name or rank), or of this worker if ``None``.
 
     Raises:
         UnknownWorkerError: no worker has that name.
         RpcStateError: RPC is not initialized.
     """
-    return require_agent().get_worker_info(worker_name)
+    info: WorkerInfo = require_agent().get_worker_info(worker_name)
+    return info
 
 
-def stats() -> dict:
+def stats() -> dict[str, Any]:
     """This worker's counters: calls sent and served, pending calls, connections, bytes.
 
     torchwire addition (torch has no equivalent); handy for monitoring and tests.
     """
-    return require_agent().stats()
+    counters: dict[str, Any] = require_agent().stats()
+    return counters
 
 
 def get_rpc_timeout() -> float:
     """The default timeout of calls, in seconds, as set by ``rpc_timeout``."""
-    return require_agent().rpc_timeout
+    return float(require_agent().rpc_timeout)
 
 
 def _set_rpc_timeout(rpc_timeout: float) -> None:
@@ -198,7 +190,8 @@ def _set_rpc_timeout(rpc_timeout: float) -> None:
     require_agent().rpc_timeout = float(rpc_timeout)
 
 
-def remote(to, func, args=None, kwargs=None, timeout=UNSET_RPC_TIMEOUT) -> RRef:
+def remote(to: str | int | WorkerInfo, func: Callable[..., Any], args: Any = None,
+           kwargs: dict[str, Any] | None = None, timeout: float = UNSET_RPC_TIMEOUT) -> RRef:
     """Run ``func(*args, **kwargs)`` on worker ``to`` and keep the result there.
 
     Returns at once a user :class:`RRef` to the result; the callee owns the value.
@@ -221,11 +214,12 @@ def remote(to, func, args=None, kwargs=None, timeout=UNSET_RPC_TIMEOUT) -> RRef:
         >>> x = rref1.to_here() + rref2.to_here()
     """
     _agent, info, args, kwargs, timeout = check_call(to, func, args, kwargs, timeout)
-    return _rref.context().remote(info, func, args, kwargs, timeout)
+    rref: RRef = _rref.context().remote(info, func, args, kwargs, timeout)
+    return rref
 
 
 @contextlib.contextmanager
-def _wait_all():
+def _wait_all() -> Iterator[None]:
     """Collect every future ``rpc_async`` returns in the block; wait for them at its end
     (torch's private helper)."""
     _thread_local_var.future_list = []
@@ -238,7 +232,9 @@ def _wait_all():
             del _thread_local_var.future_list
 
 
-def rpc_async(to, func, args=None, kwargs=None, timeout=UNSET_RPC_TIMEOUT) -> Future:
+def rpc_async(to: str | int | WorkerInfo, func: Callable[..., Any], args: Any = None,
+              kwargs: dict[str, Any] | None = None, timeout: float = UNSET_RPC_TIMEOUT
+              ) -> Future:
     """Run ``func(*args, **kwargs)`` on worker ``to``; return a future of the result.
 
     Args:
@@ -268,7 +264,8 @@ def rpc_async(to, func, args=None, kwargs=None, timeout=UNSET_RPC_TIMEOUT) -> Fu
     return invoke_async(to, func, args, kwargs, timeout)
 
 
-def rpc_sync(to, func, args=None, kwargs=None, timeout=UNSET_RPC_TIMEOUT):
+def rpc_sync(to: str | int | WorkerInfo, func: Callable[..., Any], args: Any = None,
+             kwargs: dict[str, Any] | None = None, timeout: float = UNSET_RPC_TIMEOUT) -> Any:
     """Run ``func(*args, **kwargs)`` on worker ``to`` and return its result.
 
     Same arguments as :func:`rpc_async`; blocks until the reply arrives.
@@ -286,3 +283,24 @@ def rpc_sync(to, func, args=None, kwargs=None, timeout=UNSET_RPC_TIMEOUT):
     """
     agent, info, args, kwargs, timeout = check_call(to, func, args, kwargs, timeout)
     return agent.call(info, func, args, kwargs, timeout, None, True).wait()
+
+
+def method_factory(method_name: str, docstring: str | None) -> Callable[..., Any]:
+    """torch's helper that gives ``RRef`` a documented Python method per method of its
+    C++ base: here, a function that runs ``RRef``'s own ``method_name``."""
+    implementation = _RREF_METHODS[method_name]
+
+    def method(self: RRef, *args: Any, **kwargs: Any) -> Any:
+        return implementation(self, *args, **kwargs)
+
+    method.__name__ = method_name
+    method.__doc__ = docstring
+    return method
+
+
+_RREF_METHODS = {name: value for name, value in vars(RRef).items() if callable(value)}
+# torch leaves the last method its loop made under this name (RRef.to_here)
+new_method = method_factory("to_here", RRef.to_here.__doc__)
+
+__all__ = ["shutdown", "get_worker_info", "remote", "rpc_sync", "rpc_async", "RRef",
+           "AllGatherStates", "method_factory", "new_method"]

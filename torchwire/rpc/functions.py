@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import functools
+from typing import Any, Callable, TypeVar
+
+_F = TypeVar("_F", bound=Callable[..., Any])
 
 __all__ = ["async_execution"]
 
 
-def async_execution(fn):
+def async_execution(fn: _F) -> _F:
     """Mark ``fn`` as returning a :class:`torch.futures.Future` to reply with.
 
     The callee runs ``fn``, which returns a future at once; the pool thread is
@@ -27,8 +30,8 @@ def async_execution(fn):
     """
 
     @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
         return fn(*args, **kwargs)
 
     wrapper._wrapped_async_rpc_function = fn  # type: ignore[attr-defined]
-    return wrapper
+    return wrapper  # type: ignore[return-value]
