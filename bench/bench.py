@@ -47,6 +47,9 @@ from _bench_scale import SCALE_SIZES, run_scale  # noqa: E402
 from _bench_worker import FRESH_OPS, NET_OPTIONS, split_spec  # noqa: E402
 
 
+PARTS = ("short", "long", "net", "ps")
+
+
 def make_cfg(quick: bool) -> dict:
     cfg = {
         "sync_n": 2000, "sync_warmup": 200,
@@ -264,6 +267,10 @@ def parse_args(argv):
                     help="kill a round after this many seconds without progress (default 90)")
     ap.add_argument("--round-timeout", type=float, default=300.0,
                     help="kill a round after this many seconds in total (default 300)")
+    ap.add_argument("--only", nargs="+", default=[",".join(PARTS)],
+                    help="parts to run (a partial report, for development): short (the short "
+                    "alternating latency rounds), long (the long rounds), net (their "
+                    "network-forced sweeps), ps (the parameter server); default: all")
     ap.add_argument("--json", default=None, help="also dump raw per-round results to this file")
     args = ap.parse_args(argv)
     args.libs = list(dict.fromkeys(_parse_lib_spec(ap, n) for n in _split_list(args.libs)))
@@ -271,6 +278,9 @@ def parse_args(argv):
             split_spec(lib)[0] != "torchwire" for lib in args.libs)):
         ap.error("torchwire@PATH is for an A/B of two torchwire versions: give exactly two, "
                  "e.g. --libs torchwire@/work/base torchwire")
+    args.only = set(_split_list(args.only))
+    if not args.only or args.only - set(PARTS):
+        ap.error(f"--only: choose from {', '.join(PARTS)}")
     args.threads = tuple(_split_list(args.threads))
     if not args.threads or any(t not in THREAD_SETTINGS for t in args.threads):
         ap.error(f"--threads: choose from {', '.join(THREAD_SETTINGS)}")
@@ -321,6 +331,26 @@ def main_scale(args, cfg, ctx, started, log) -> int:
     return 0
 
 
+def _long_round(ctx, lib, st, cfg, args, log) -> dict | None:
+    """A long round and (unless it hung) its network-forced sweeps, as ``--only`` asks."""
+    r = None
+    if "long" in args.only:
+        r = run_round(ctx, lib, st, cfg, args.stall_timeout, args.round_timeout,
+                      shutdown_timeout=60.0, log=log)
+    if "net" in args.only and not (r and r["timed_out"]):
+        log(f"    network channel forced ({NET_OPTIONS})")
+        net = run_round(ctx, lib, st, dict(cfg, network=True), args.stall_timeout,
+                        args.round_timeout, shutdown_timeout=60.0, log=log)
+        if r is None:
+            r = net
+        else:
+            _merge_network_round(r, net)
+    if r is not None:
+        status = "ok" if not r["errors"] else "FAILED: " + "; ".join(r["errors"])
+        log(f"    round took {r['wall_s']:.1f} s, {status}")
+    return r
+
+
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
@@ -338,29 +368,24 @@ def main(argv=None):
         return main_scale(args, cfg, ctx, started, log)
     libs, settings = args.libs, args.threads
     titles = R.lib_titles(libs)
-    log("short alternating latency rounds: " + ", ".join(titles[lib] for lib in libs))
-    interleaved = run_interleaved(ctx, libs, settings, cfg, log)
+    interleaved = {st: {lib: {} for lib in libs} for st in settings}
+    if "short" in args.only:
+        log("short alternating latency rounds: " + ", ".join(titles[lib] for lib in libs))
+        interleaved = run_interleaved(ctx, libs, settings, cfg, log)
     results = {st: {lib: [] for lib in libs} for st in settings}
     ps = {st: {lib: [] for lib in libs} for st in settings}
     for rnd in range(args.rounds):
         for st in (settings if rnd % 2 == 0 else settings[::-1]):
             for lib in (libs if rnd % 2 == 0 else libs[::-1]):
-                where = f"round {rnd + 1}/{args.rounds}: {titles[lib]}, {SETTING_TITLES[st]}"
-                log(where)
-                r = run_round(ctx, lib, st, cfg, args.stall_timeout, args.round_timeout,
-                              shutdown_timeout=60.0, log=log)
-                if not r["timed_out"]:  # the network-forced sweeps: 2 more processes
-                    log(f"    network channel forced ({NET_OPTIONS})")
-                    net = run_round(ctx, lib, st, dict(cfg, network=True), args.stall_timeout,
-                                    args.round_timeout, shutdown_timeout=60.0, log=log)
-                    _merge_network_round(r, net)
-                log("    parameter server")
-                p = run_ps(ctx, lib, st, cfg, cfg["ps_timeout"], log)
-                log(f"    {p['metrics']} {p['errors'] or ''}")
-                results[st][lib].append(r)
-                ps[st][lib].append(p)
-                status = "ok" if not r["errors"] else "FAILED: " + "; ".join(r["errors"])
-                log(f"    round took {r['wall_s']:.1f} s, {status}")
+                log(f"round {rnd + 1}/{args.rounds}: {titles[lib]}, {SETTING_TITLES[st]}")
+                r = _long_round(ctx, lib, st, cfg, args, log)
+                if r is not None:
+                    results[st][lib].append(r)
+                if "ps" in args.only:
+                    log("    parameter server")
+                    p = run_ps(ctx, lib, st, cfg, cfg["ps_timeout"], log)
+                    log(f"    {p['metrics']} {p['errors'] or ''}")
+                    ps[st][lib].append(p)
     elapsed = time.monotonic() - t0
     summary = {st: {lib: R.summarize(results[st][lib], interleaved[st][lib], ps[st][lib])
                     for lib in libs} for st in settings}
