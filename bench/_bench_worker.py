@@ -299,6 +299,9 @@ def _fresh_sweep(rpc, cfg, q, prefix):
             y = rpc.rpc_sync("worker1", fn, args=(x,))
             if not torch.equal(y, fn(x)):
                 raise AssertionError(f"{label} {op} returned a wrong value")
+            # a second warm-up call while the first reply is still held: a loop's steady
+            # state holds one reply while the next arrives
+            y = rpc.rpc_sync("worker1", fn, args=(x,))
             times = []
             for _ in range(iters):
                 t0 = time.perf_counter()

@@ -149,10 +149,10 @@ def _how_measured(cfg, libs, settings, rounds) -> list:
         f"`rpc_sync` to a function that returns a new tensor ({ops}), and the caller reads "
         "every element of the reply (`y.sum().item()`) inside the timed region; the caller "
         "keeps the previous reply until the next one arrives (`y = rpc_sync(...)` in a loop). "
-        f"1 checked warm-up call, then per size: {fresh_iters}; median. The **floor** of a "
-        "row is measured in the caller's process right after it: the callee's own op on "
-        "the same tensor plus one copy of its result into memory already faulted in; the "
-        "ratio of the round trip to its floor is taken per round.",
+        f"2 warm-up calls (the first checked), then per size: {fresh_iters}; median. "
+        "The **floor** of a row is measured in the caller's process right after it: "
+        "the callee's own op on the same tensor plus one copy of its result into memory "
+        "already faulted in; the ratio of the round trip to its floor is taken per round.",
         "- **Tensor echo by reference**: the callee returns the very tensor it received (a "
         "best case: torchwire sends its shared-memory buffer back without a copy); "
         "bandwidth = 2 × bytes / median call time (1 warm-up call, then per size: "
