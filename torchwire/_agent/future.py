@@ -7,10 +7,17 @@ torchwire I/O thread.  If the future is completed by the reader or the timer,
 the callback is handed to the worker pool, so a slow or blocking callback
 cannot stall the wire.  Completed from any other thread, it runs inline as
 torch's future does.
+
+It is also awaitable: ``await fut`` in a running asyncio loop suspends the
+coroutine until the future is done, without blocking the loop's thread, and gives
+the value or raises the error, as :meth:`Future.wait` would.  Cancelling the
+awaiting task stops the wait at once; the call itself goes on and its late reply
+completes the future, which nothing reads.
 """
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import logging
 import threading
@@ -122,6 +129,12 @@ class Future(torch.futures.Future):
         except BaseException as exc:
             raise _fresh(exc) from exc.__cause__
 
+    def __await__(self):
+        """``await fut``: the value, or raise the error, without blocking the loop."""
+        if not self.done():
+            yield from _wake_on_done(self).__await__()
+        return self.value()
+
     def value(self):
         """The value, or raise the error (a copy, as :meth:`wait`)."""
         try:
@@ -170,6 +183,29 @@ class SyncReply:
 
 
 _queue_lock = threading.Lock()
+
+
+def _wake_on_done(fut: Future) -> asyncio.Future:
+    """An asyncio future of the running loop, set when ``fut`` is done.
+
+    The torch future's callback runs on whichever thread completes it (a reader,
+    the timer): it only schedules the wake-up on the loop, which never blocks.
+    """
+    loop = asyncio.get_running_loop()
+    waiter = loop.create_future()
+
+    def wake(_f) -> None:
+        try:
+            loop.call_soon_threadsafe(_set_done, waiter)
+        except RuntimeError:  # the loop is closed: nothing waits any more
+            pass
+    fut._add_inline_callback(wake)
+    return waiter
+
+
+def _set_done(waiter: asyncio.Future) -> None:
+    if not waiter.done():  # a cancelled waiter stays cancelled
+        waiter.set_result(None)
 
 
 def _drain(fut: Future) -> None:
