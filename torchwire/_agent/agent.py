@@ -167,9 +167,7 @@ class RpcAgent:
     def defer(self, fn, *args) -> None:
         """Run ``fn(*args)`` on the pool (off an I/O thread).
 
-        Raises:
-            RpcStateError: the pool is shut down.
-        """
+        Raises RpcStateError if the pool is shut down."""
         self.pool.submit(fn, *args)
 
     # ------------------------------------------------------------------ names
