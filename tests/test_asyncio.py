@@ -255,3 +255,26 @@ def _async_job(rank, world_size):
 
 def test_graceful_shutdown_waits_for_running_coroutines():
     assert run_world(_async_job, 2)[0] == "finished"
+
+
+# ---------------------------------------------------------------- distributed autograd
+
+async def async_scale_via(to, x):
+    """Awaits a nested call in the caller's autograd context, then computes locally."""
+    y = await rpc.rpc_async(to, torch.mul, args=(x, 3.0))
+    await asyncio.sleep(0)
+    return y * 2
+
+
+def body_async_def_in_autograd_context():
+    import torchwire.autograd as dist_autograd
+    x = torch.ones(2, requires_grad=True)
+    with dist_autograd.context() as cid:
+        y = rpc.rpc_sync("worker1", async_scale_via, args=("worker2", x))
+        dist_autograd.backward(cid, [y.sum()])
+        return y.tolist(), dist_autograd.get_gradients(cid)[x].tolist()
+
+
+def test_an_async_def_runs_in_the_callers_autograd_context(world):
+    value, grad = world.run(0, body_async_def_in_autograd_context)
+    assert value == [6.0, 6.0] and grad == [6.0, 6.0]
