@@ -21,6 +21,7 @@ import asyncio
 import copy
 import logging
 import threading
+import weakref
 from typing import Any
 
 import torch
@@ -189,23 +190,54 @@ def _wake_on_done(fut: Future) -> asyncio.Future:
     """An asyncio future of the running loop, set when ``fut`` is done.
 
     The torch future's callback runs on whichever thread completes it (a reader,
-    the timer): it only schedules the wake-up on the loop, which never blocks.
+    the timer): it only queues the wake-up for the loop, which never blocks.
     """
     loop = asyncio.get_running_loop()
     waiter = loop.create_future()
-
-    def wake(_f) -> None:
-        try:
-            loop.call_soon_threadsafe(_set_done, waiter)
-        except RuntimeError:  # the loop is closed: nothing waits any more
-            pass
-    fut._add_inline_callback(wake)
+    waker = _wakers.get(loop)
+    if waker is None:
+        waker = _wakers.setdefault(loop, _LoopWaker(loop))
+    fut._add_inline_callback(lambda _f: waker.wake(waiter))
     return waiter
 
 
-def _set_done(waiter: asyncio.Future) -> None:
-    if not waiter.done():  # a cancelled waiter stays cancelled
-        waiter.set_result(None)
+class _LoopWaker:
+    """Wakes one loop's waiters from other threads, many with one ``call_soon_threadsafe``.
+
+    Every ``call_soon_threadsafe`` writes to the loop's self-pipe: with thousands of
+    calls awaited at once, replies arriving while a wake-up is already queued join it
+    instead (one system call and one loop turn for the lot).
+    """
+
+    __slots__ = ("_loop", "_lock", "_ready", "_armed", "__weakref__")
+
+    def __init__(self, loop) -> None:
+        self._loop = loop
+        self._lock = threading.Lock()
+        self._ready: list = []
+        self._armed = False
+
+    def wake(self, waiter: asyncio.Future) -> None:
+        with self._lock:
+            self._ready.append(waiter)
+            if self._armed:
+                return
+            self._armed = True
+        try:
+            self._loop.call_soon_threadsafe(self._drain)
+        except RuntimeError:  # the loop is closed: nothing waits any more
+            pass
+
+    def _drain(self) -> None:
+        with self._lock:
+            ready, self._ready = self._ready, []
+            self._armed = False
+        for waiter in ready:
+            if not waiter.done():  # a cancelled waiter stays cancelled
+                waiter.set_result(None)
+
+
+_wakers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _drain(fut: Future) -> None:
