@@ -66,6 +66,14 @@ def metric_specs() -> tuple:
              None, "round"),
         Spec("async_noop_calls_per_s", "rpc_async no-op throughput (10 000 in flight)",
              "calls/s", True, (">=", 4.0), "round"),
+        Spec("asyncio_wait_noop_median_us", "rpc_async(noop).wait() latency, median (the "
+             "reference of the next row)", "µs", False, None, "round"),
+        Spec("asyncio_await_noop_median_us", "`await rpc.rpc_async(noop)` latency in an "
+             "asyncio loop, median (torchwire-only; torch column: `fut.wait()` in a thread "
+             "executor)", "µs", False, None, "round"),
+        Spec("asyncio_await_10k_calls_per_s", "10 000 concurrent `await rpc.rpc_async(noop)` "
+             "(asyncio.gather; torchwire-only; torch column: each `fut.wait()` in a thread "
+             "executor)", "calls/s", True, None, "round"),
         Spec("ps_samples_per_s", "parameter server: 4 trainers pull 16 MiB, push its "
              "gradient (fresh tensors both ways), samples/s", "samples/s", True, (">=", 2.0),
              "ps"),

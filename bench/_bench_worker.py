@@ -264,6 +264,12 @@ def _run_metrics(rpc, cfg, q):
     metric("async_noop_calls_per_s", _median(rates), reps=[round(r) for r in rates],
            n=n_async)
 
+    # 4b. asyncio: await latency, concurrent awaits (torch: fut.wait() in an executor)
+    import _bench_asyncio
+    for name, value in _bench_asyncio.measure(rpc, cfg["sync_n"], cfg["sync_warmup"],
+                                              n_async, cfg["async_reps"]).items():
+        metric(name, value)
+
     _echo_sweep(rpc, cfg, q, ECHO_SIZES, "")
     _fresh_sweep(rpc, cfg, q, "")
 

@@ -446,20 +446,51 @@ def _local_function():
     return inner
 
 
+def _capturing(value):
+    return lambda: value
+
+
+def test_lambdas_and_local_functions_travel_by_value_with_their_tensors():
+    t = torch.arange(3.0)
+    for fn, expected in [(lambda: 1, 1), (_local_function(), 1),
+                         (_capturing(t), t), (_capturing([t, "x"]), [t, "x"])]:
+        payload, tensors = dumps((fn, (), None))
+        # a captured tensor is lifted out of the stream as any tensor
+        assert len(tensors) == (1 if fn.__closure__ and "value" in fn.__code__.co_freevars
+                                else 0)
+        got, args, _ = loads(payload, [bytearray(x.numpy().tobytes()) for x in tensors])
+        value = got()
+        if isinstance(expected, list):
+            assert torch.equal(value[0], t) and value[1] == "x"
+        elif isinstance(expected, torch.Tensor):
+            assert torch.equal(value, t)
+        else:
+            assert value == expected
+
+
+def test_what_cannot_be_pickled_even_by_value_is_named():
+    lock = threading.Lock()
+    with pytest.raises(torchwire.SerializationError,
+                       match=r"args\[1\]\[0\]\['k'\] \(a _thread.lock\)"):
+        dumps((len, (1, [{"k": lock}]), None))
+    with pytest.raises(torchwire.SerializationError,
+                       match=r"captured variable 'lock'\) \(a _thread.lock\)"):
+        dumps((lambda: lock, (), None))
+
+
 class _Unpicklable:
     def __reduce__(self):
         raise TypeError("refusing to be pickled")
 
 
 @pytest.mark.parametrize("make", [
-    lambda: (lambda: 1),
     lambda: threading.Lock(),
     lambda: [1, {"deep": (torch.ones(2), threading.Lock())}],
-    lambda: _local_function(),
     lambda: (i for i in range(3)),
     lambda: _Unpicklable(),
-], ids=["lambda", "lock", "lock_nested_after_tensor", "local_function", "generator",
-        "reduce_raises"])
+    lambda: _capturing(threading.Lock()),
+], ids=["lock", "lock_nested_after_tensor", "generator", "reduce_raises",
+        "lambda_capturing_a_lock"])
 def test_unpicklable_objects_are_serialization_errors(make):
     with pytest.raises(torchwire.SerializationError) as info:
         dumps(make())
@@ -545,8 +576,9 @@ def test_16_mib_tensor(world):
 
 def body_refused_values():
     out = {}
-    for key, value in {"quantized": _quantized()[0], "lambda": lambda: 1,
-                       "lock": threading.Lock()}.items():
+    lock = threading.Lock()
+    for key, value in {"quantized": _quantized()[0], "lambda": lambda: lock,
+                       "lock": lock}.items():
         try:
             rpc.rpc_sync("worker1", echo, args=(value,))
             out[key] = ("no error", "")
@@ -559,7 +591,8 @@ def body_refused_values():
 def test_refused_values_through_rpc_fail_on_the_caller(world):
     out = world.run(0, body_refused_values)
     assert out["quantized"][0] == "SerializationError" and "quantized" in out["quantized"][1]
-    assert out["lambda"][0] == "SerializationError"
+    # a lambda travels by value, but not what it captures if that cannot be pickled
+    assert out["lambda"][0] == "SerializationError" and "captured variable" in out["lambda"][1]
     assert out["lock"][0] == "SerializationError"
     assert out["still_serving"] == [1.0, 1.0]
 

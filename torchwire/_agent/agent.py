@@ -12,14 +12,15 @@
 ``termination.py``  graceful shutdown of a static group (store rounds)
 ``liveness.py``     the heartbeat, lost and dead peers, reconnection
 ``pool.py``         the threads that run user functions and callbacks
+``coroutines.py``   the event loop that runs ``async def`` functions
 ``counters.py``     requests sent and received, for stats and termination
 ==================  ==========================================================
 
 Threads: a reader per connection (I/O: decodes frames, completes pending calls,
 runs a few requests in place, hands the rest to the pool), the timer (I/O),
-the pool, one accept thread per listening socket plus a short-lived handshake
-thread per accepted connection (which then becomes its reader), and the liveness
-monitor.
+the pool, the asyncio loop thread (I/O; started by the first ``async def`` call),
+one accept thread per listening socket plus a short-lived handshake thread per
+accepted connection (which then becomes its reader), and the liveness monitor.
 
 A dynamic group (``world_size`` None, ``torchwire._bootstrap.membership``) changes
 the name table while the agent runs (``add_member``, ``remove_member``), and its
@@ -48,6 +49,7 @@ from .._base.worker_record import WorkerRecord
 from .._wire import frame as F
 from .._wire.channels import segments
 from .._wire.listener import host_identity
+from .coroutines import CoroutineRunner
 from .counters import Counters
 from .future import Future, SyncReply
 from .links import Links
@@ -99,6 +101,7 @@ class RpcAgent:
         self.counters = Counters(world_size)
         self.pending = PendingCalls(self.names.name_of)
         self.pool = WorkerPool(options.num_worker_threads, name=f"torchwire-{name}")
+        self.coroutines = CoroutineRunner(name)
         self.health = PeerHealth(
             self, getattr(options, "heartbeat_interval", DEFAULT_HEARTBEAT_INTERVAL),
             getattr(options, "heartbeat_timeout", DEFAULT_HEARTBEAT_TIMEOUT))
@@ -164,9 +167,7 @@ class RpcAgent:
     def defer(self, fn, *args) -> None:
         """Run ``fn(*args)`` on the pool (off an I/O thread).
 
-        Raises:
-            RpcStateError: the pool is shut down.
-        """
+        Raises RpcStateError if the pool is shut down."""
         self.pool.submit(fn, *args)
 
     # ------------------------------------------------------------------ names
@@ -463,4 +464,5 @@ class RpcAgent:
                 p.close()
             except Exception:
                 log.exception("torchwire: closing %r failed", p)
+        self.coroutines.stop(5.0)
         self.pool.shutdown(5.0)

@@ -7,13 +7,21 @@ torchwire I/O thread.  If the future is completed by the reader or the timer,
 the callback is handed to the worker pool, so a slow or blocking callback
 cannot stall the wire.  Completed from any other thread, it runs inline as
 torch's future does.
+
+It is also awaitable: ``await fut`` in a running asyncio loop suspends the
+coroutine until the future is done, without blocking the loop's thread, and gives
+the value or raises the error, as :meth:`Future.wait` would.  Cancelling the
+awaiting task stops the wait at once; the call itself goes on and its late reply
+completes the future, which nothing reads.
 """
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import logging
 import threading
+import weakref
 from typing import Any
 
 import torch
@@ -122,6 +130,12 @@ class Future(torch.futures.Future):
         except BaseException as exc:
             raise _fresh(exc) from exc.__cause__
 
+    def __await__(self):
+        """``await fut``: the value, or raise the error, without blocking the loop."""
+        if not self.done():
+            yield from _wake_on_done(self).__await__()
+        return self.value()
+
     def value(self):
         """The value, or raise the error (a copy, as :meth:`wait`)."""
         try:
@@ -170,6 +184,60 @@ class SyncReply:
 
 
 _queue_lock = threading.Lock()
+
+
+def _wake_on_done(fut: Future) -> asyncio.Future:
+    """An asyncio future of the running loop, set when ``fut`` is done.
+
+    The torch future's callback runs on whichever thread completes it (a reader,
+    the timer): it only queues the wake-up for the loop, which never blocks.
+    """
+    loop = asyncio.get_running_loop()
+    waiter = loop.create_future()
+    waker = _wakers.get(loop)
+    if waker is None:
+        waker = _wakers.setdefault(loop, _LoopWaker(loop))
+    fut._add_inline_callback(lambda _f: waker.wake(waiter))
+    return waiter
+
+
+class _LoopWaker:
+    """Wakes one loop's waiters from other threads, many with one ``call_soon_threadsafe``.
+
+    Every ``call_soon_threadsafe`` writes to the loop's self-pipe: with thousands of
+    calls awaited at once, replies arriving while a wake-up is already queued join it
+    instead (one system call and one loop turn for the lot).
+    """
+
+    __slots__ = ("_loop", "_lock", "_ready", "_armed", "__weakref__")
+
+    def __init__(self, loop) -> None:
+        self._loop = loop
+        self._lock = threading.Lock()
+        self._ready: list = []
+        self._armed = False
+
+    def wake(self, waiter: asyncio.Future) -> None:
+        with self._lock:
+            self._ready.append(waiter)
+            if self._armed:
+                return
+            self._armed = True
+        try:
+            self._loop.call_soon_threadsafe(self._drain)
+        except RuntimeError:  # the loop is closed: nothing waits any more
+            pass
+
+    def _drain(self) -> None:
+        with self._lock:
+            ready, self._ready = self._ready, []
+            self._armed = False
+        for waiter in ready:
+            if not waiter.done():  # a cancelled waiter stays cancelled
+                waiter.set_result(None)
+
+
+_wakers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _drain(fut: Future) -> None:

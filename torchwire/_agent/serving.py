@@ -10,6 +10,9 @@ function and send its reply on the connection they came in on:
   one-way message, handed to the handler its kind's layer registered;
 * a request whose arguments hold an RRef fork its owner has not confirmed yet runs
   once it is (no thread waits meanwhile);
+* a function that returns a coroutine (``async def``) has it run as a task of the
+  worker's event loop (``coroutines.py``); the reply is sent when the task ends,
+  from the loop thread if it is small and plain, else from the pool;
 * an ``@async_execution`` function, or a torchwire-internal one that returns a
   ``Deferred``, replies when its future completes; completed on an I/O thread, a
   small plain value is written from there (``send_nowait``), anything else on the
@@ -23,13 +26,15 @@ from __future__ import annotations
 import logging
 import sys
 import traceback
+import types
 
 import torch
 
 from .. import _serialization as ser
 from .._base import threads as _threads
 from .._base.asyncexec import ASYNC_ATTR, check_future
-from .._base.errors import LinkError, ProtocolError, RemoteCallError, SerializationError
+from .._base.errors import (LinkError, ProtocolError, RemoteCallError, RpcStateError,
+                            SerializationError)
 from .._wire import frame as F
 from .future import Deferred
 from .inline import InlineScheduler
@@ -42,6 +47,7 @@ _NOWAIT_MAX = 16 << 10  # bytes of reply payload an I/O thread may write itself
 
 _K_RESPONSE, _K_REQUEST, _K_GOODBYE = F.K_RESPONSE, F.K_REQUEST, F.K_GOODBYE
 _F_PLAIN = F.F_PLAIN
+_COROUTINE = types.CoroutineType
 
 
 class Server:
@@ -152,9 +158,14 @@ class Server:
                 fut.add_done_callback(lambda f: self.reply_future(conn, rid, f))
                 return
             result = func(*(args or ()), **(kwargs or {}))
-            if type(result) is Deferred:  # torchwire-internal functions (RRefs)
+            t = type(result)
+            if t is Deferred:  # torchwire-internal functions (RRefs)
                 torch._C.Future.add_done_callback(
                     result.future, lambda f: self.reply_future(conn, rid, f))
+                return
+            if t is _COROUTINE:  # an async def: to the event loop, no thread waits
+                self._agent.coroutines.start(
+                    result, lambda task: self._coroutine_done(conn, rid, task))
                 return
         except Exception as exc:
             tb = traceback.format_exc()
@@ -171,6 +182,28 @@ class Server:
         del func, args, kwargs
         self.reply_value(conn, rid, result)
 
+    def _coroutine_done(self, conn, rid: int, task) -> None:
+        """Loop thread: reply with what the task of an ``async def`` call ended with."""
+        if task.cancelled():  # only the agent's shutdown cancels them
+            self._defer(self.reply_error, conn, rid, RemoteCallError(
+                f"the coroutine was cancelled: {self._desc} is shutting down"), "")
+            return
+        exc = task.exception()
+        if exc is not None:
+            tb = "".join(traceback.format_exception(exc))
+            print(f"On {self._desc}:\n{exc!r}\n{tb}", file=sys.stderr)
+            self._defer(self.reply_error, conn, rid, exc, tb)
+            return
+        value = task.result()
+        if not self._reply_nowait(conn, rid, value):
+            self._defer(self.reply_value, conn, rid, value)
+
+    def _defer(self, fn, *args) -> None:
+        try:
+            self._pool.submit(fn, *args)
+        except RpcStateError:
+            log.debug("torchwire: reply %d dropped: %s is shut down", args[1], self._desc)
+
     # ------------------------------------------------------------------ replies
 
     def reply_future(self, conn, rid: int, fut) -> None:
@@ -178,7 +211,11 @@ class Server:
         if _threads.in_io_thread():
             # A reader completed the future (the reply to a nested call arrived): a
             # small plain value is sent from here without waking a pool thread.
-            if not self._reply_nowait(conn, rid, fut):
+            try:
+                value = fut.value()
+            except Exception:
+                value = _NO_VALUE  # errors: the pool formats them
+            if value is _NO_VALUE or not self._reply_nowait(conn, rid, value):
                 self._pool.submit(self.reply_future, conn, rid, fut)
             return
         try:
@@ -188,17 +225,13 @@ class Server:
             return
         self.reply_value(conn, rid, value)
 
-    def _reply_nowait(self, conn, rid: int, fut) -> bool:
-        """I/O thread: reply with ``fut``'s value if it is small and plain (no user
-        code runs to pickle it, no tensors) and the link can write without blocking
+    def _reply_nowait(self, conn, rid: int, value) -> bool:
+        """I/O thread: reply with ``value`` if it is small and plain (no user code
+        runs to pickle it, no tensors) and the link can write without blocking
         (``Connection.send_nowait``); False to leave the reply to the pool."""
         send = getattr(conn, "send_nowait", None)
         if send is None or rid == 0:
             return False
-        try:
-            value = fut.value()
-        except Exception:
-            return False  # errors: the pool formats them
         if not _plain_value(value, 0):
             return False
         try:
@@ -268,6 +301,9 @@ class Server:
         except LinkError:
             self._counters.count_reply(-1)
             log.debug("torchwire: error reply %d dropped: connection closed", rid)
+
+
+_NO_VALUE = object()
 
 
 def _plain_value(value, depth: int) -> bool:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import marshal
 import threading
+import types
 
 import torch
 
@@ -119,6 +120,8 @@ class _InContext:
             ser.set_grad_context(prev)
         if type(result) is Deferred:  # torchwire-internal (RRef) functions reply later
             result = result.future
+        elif type(result) is types.CoroutineType:  # async def: runs on the worker's loop
+            return _in_context_coroutine(cid, result)
         elif not isinstance(result, torch._C.Future) or not is_async(self):
             return _Reply(cid, result)
         out = Future()
@@ -130,6 +133,37 @@ class _InContext:
                 out.set_exception(exc)
         torch._C.Future.add_done_callback(result, done)
         return out if is_async(self) else Deferred(out)
+
+
+async def _in_context_coroutine(cid: int, coro):
+    """``coro`` run with autograd context ``cid`` set while each of its steps runs (the
+    loop's thread interleaves other tasks, with other contexts, between steps); its
+    value replied in the context."""
+    return await _StepsInContext(cid, coro)
+
+
+class _StepsInContext:
+    __slots__ = ("cid", "coro")
+
+    def __init__(self, cid: int, coro) -> None:
+        self.cid = cid
+        self.coro = coro
+
+    def __await__(self):
+        coro, cid = self.coro, self.cid
+        send, error = None, None
+        while True:
+            prev = ser.set_grad_context(cid)
+            try:
+                step = coro.send(send) if error is None else coro.throw(error)
+            except StopIteration as stop:
+                return _Reply(cid, stop.value)
+            finally:
+                ser.set_grad_context(prev)
+            try:
+                send, error = (yield step), None
+            except BaseException as exc:  # cancellation included: into the coroutine
+                send, error = None, exc
 
 
 class _Reply:

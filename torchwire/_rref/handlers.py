@@ -10,14 +10,24 @@ from __future__ import annotations
 
 import logging
 import traceback
+import types
 
 from .. import _serialization as ser
 from .._agent.future import Deferred, Future
+from .._agent.runtime import require_agent
 from .._base.asyncexec import ASYNC_ATTR, check_future, is_async
 from .._base.errors import RRefError
 from .records import ControlOp, Entry, context
 
 log = logging.getLogger("torchwire")
+
+_COROUTINE = types.CoroutineType
+
+
+def _on_loop(coro) -> Future:
+    """Run a coroutine (an ``async def`` function's or method's) on the worker's event
+    loop; the future of its result."""
+    return require_agent().coroutines.future_of(coro)
 
 
 def remote_exec(rref_id, fork_id, caller: int, func, args, kwargs):
@@ -34,6 +44,8 @@ def remote_exec(rref_id, fork_id, caller: int, func, args, kwargs):
         value = func(*(args or ()), **(kwargs or {}))
         if type(value) is Deferred:  # a proxy call (rref.remote().method())
             later = value.future
+        elif type(value) is _COROUTINE:  # an async def: the value is its result
+            later = _on_loop(value)
         elif is_async(func):
             check_future(func, value)
             later = value
@@ -109,7 +121,7 @@ def proxy_invoke(rref, name: str, args, kwargs):
     """Owner: ``getattr(value, name)(*args, **kwargs)`` once the value exists.
 
     A method decorated with ``@rpc.functions.async_execution`` replies when the
-    future it returns completes.
+    future it returns completes; a coroutine method (``async def``) when it returns.
     """
     fut = rref._entry.future
     if fut.done():
@@ -122,9 +134,13 @@ def proxy_invoke(rref, name: str, args, kwargs):
         try:
             value = f.value()
             result = getattr(value, name)(*args, **kwargs)
-            if _is_async_method(value, name):
+            later = type(result) is _COROUTINE
+            if later:
+                result = _on_loop(result)
+            elif _is_async_method(value, name):
                 check_future(getattr(value, name), result)
-
+                later = True
+            if later:
                 def chain(r):
                     try:
                         out.set_result(r.value())

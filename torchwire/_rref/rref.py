@@ -149,6 +149,50 @@ class RRef:
             self._user.confirmed = True
         return value
 
+    def to_here_async(self, timeout: float = UNSET_RPC_TIMEOUT) -> Future:
+        """Copy the value here without blocking: a :class:`Future` of it.
+
+        ``await rref.to_here_async()`` in a coroutine does not block the event loop;
+        ``rref.to_here_async().wait()`` is ``to_here()``.  torchwire addition.
+
+        Args:
+            timeout: as :meth:`to_here`.
+
+        Returns:
+            A future of the value, or of the error :meth:`to_here` would raise
+            (``RpcTimeoutError``, the creating function's error,
+            ``WorkerUnavailableError``).
+
+        Raises:
+            RRefError: this user RRef was deleted.
+        """
+        self._check_alive("to_here_async()")
+        agent = context().agent
+        timeout = resolve_timeout(timeout, agent.rpc_timeout)
+        if self._entry is not None:
+            return _copy_of(self._entry.future)
+        creation = self._creation
+        if creation is not None and creation.done():
+            try:
+                self._get_future().value()
+            except Exception as exc:  # the creation failed: its error, as to_here
+                failed = Future()
+                failed.set_exception(exc)
+                return failed
+        fut: Future = agent.call(agent.get_worker_info(self._owner), rref_fetch,
+                                 (self._user.rref_id,), None, timeout, pin=self)
+        if creation is not None:
+            state = self._user
+
+            def confirm(f) -> None:  # as to_here: the value proves the owner knows us
+                try:
+                    f.value()
+                except Exception:
+                    return
+                state.confirmed = True
+            fut._add_inline_callback(confirm)
+        return fut
+
     def rpc_sync(self, timeout: float = UNSET_RPC_TIMEOUT):
         """Proxy: ``rref.rpc_sync().method(*args)`` runs ``method`` on the owner, blocking."""
         return _Proxy(self, _ProxyMode.SYNC, timeout)
@@ -243,6 +287,19 @@ def _check_method(cls: type, name: str) -> None:
     if issubclass(cls, (torch.jit.ScriptModule, torch._C.ScriptModule)):
         return  # script modules resolve methods on the instance
     getattr(cls, name)  # AttributeError: "type object 'X' has no attribute 'name'"
+
+
+def _copy_of(source) -> Future:
+    """A future completed as ``source`` is (which callers must not complete)."""
+    out = Future()
+
+    def copy(f) -> None:
+        try:
+            out.set_result(f.value())
+        except Exception as exc:
+            out.set_exception(exc)
+    source._add_inline_callback(copy)
+    return out
 
 
 def _done(value) -> Future:

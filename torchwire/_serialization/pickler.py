@@ -12,6 +12,11 @@ the socket.
 Types of the layers above (RRefs, ``RemoteModule``) are reduced by what they
 registered in :data:`.hooks.hooks`; tensors that require grad in a message of a
 distributed autograd context go to the autograd hook registered there.
+
+Functions and classes travel by reference.  A message holding one that cannot (a
+lambda, a closure, an interactive ``__main__``'s; see ``closures.py``) is pickled
+again by a cloudpickle-based pickler that sends it by value, tensors still lifted
+out as above.
 """
 
 from __future__ import annotations
@@ -19,11 +24,14 @@ from __future__ import annotations
 import importlib
 import io
 import pickle
+import types
 from typing import Any
 
+import cloudpickle
 import torch
 
 from .._base.errors import SerializationError
+from . import closures
 from .hooks import hooks
 from .state import grad as _grad
 from .state import tls as _tls
@@ -34,7 +42,7 @@ _PROTOCOL = pickle.HIGHEST_PROTOCOL
 _MAX_SPAN_RATIO = 4
 
 # How the pickler treats each exact type (filled lazily): None = as pickle does.
-_TENSOR, _SCRIPT, _FUTURE = object(), object(), object()
+_TENSOR, _SCRIPT, _FUTURE, _CODE = object(), object(), object(), object()
 _dispatch: dict[type, Any] = {}
 hooks.watch_reducers(_dispatch.clear)
 
@@ -49,6 +57,8 @@ def _resolve(t: type):
         return _SCRIPT
     if issubclass(t, torch._C.Future):
         return _FUTURE
+    if t is types.FunctionType or issubclass(t, type):
+        return _CODE
     return None
 
 
@@ -163,6 +173,13 @@ class _RpcPickler(pickle.Pickler):
             how = _dispatch[t] = _resolve(t)
         if how is None:
             return NotImplemented
+        if how is _CODE:  # a function or class: by reference, unless it must not
+            if obj.__module__ == "__main__" and closures.interactive_main():
+                raise closures.ByValue
+            return NotImplemented
+        return self._reduce_special(how, obj)
+
+    def _reduce_special(self, how, obj):
         if how is _TENSOR:
             return self._reduce_tensor(obj)
         if how is _SCRIPT:
@@ -257,6 +274,65 @@ class _RpcPickler(pickle.Pickler):
         return _load_script_function, (module, parts[-1])
 
 
+class _ClosurePickler(cloudpickle.Pickler):
+    """The RPC pickler's reductions, with cloudpickle's for functions and classes: what
+    cannot be pickled by reference is pickled by value."""
+
+    def __init__(self, file) -> None:
+        super().__init__(file, protocol=_PROTOCOL)
+        self.tensors: list[torch.Tensor] = []
+
+    def reducer_override(self, obj):
+        t = type(obj)
+        how = _dispatch[t] if t in _dispatch else _resolve(t)
+        if how is None or how is _CODE:
+            return super().reducer_override(obj)
+        return self._reduce_special(how, obj)
+
+    _reduce_special = _RpcPickler._reduce_special
+    _reduce_tensor = _RpcPickler._reduce_tensor
+    _reduce_device_tensor = _RpcPickler._reduce_device_tensor
+    _reduce_script_function = _RpcPickler._reduce_script_function
+
+
+def _dumps_by_value(obj: Any) -> tuple[bytes, list[torch.Tensor]]:
+    """Pickle ``obj`` with :class:`_ClosurePickler` (the reference pickler failed).
+
+    Raises:
+        SerializationError: ``obj`` cannot be pickled even so; it names the part of
+            ``obj`` that fails.
+    """
+    send = _tls.send
+    if send is not None:
+        send.abort()  # what the first attempt's reducers did (RRef forks) is undone
+    try:
+        f = io.BytesIO()
+        p = _ClosurePickler(f)
+        p.dump(obj)
+        return f.getvalue(), p.tensors
+    except SerializationError:
+        raise
+    except Exception as exc:
+        if send is not None:
+            send.abort()
+        where = closures.culprit(obj, _can_pickle)
+        raise SerializationError(
+            f"cannot pickle {where or _short_type(obj)}: {type(exc).__name__}: {exc} "
+            "(not even by value, with cloudpickle)") from exc
+
+
+def _can_pickle(obj: Any) -> bool:
+    """Whether ``obj`` alone pickles by value (to find the culprit of a failure)."""
+    send, _tls.send = _tls.send, None  # no RRef fork or autograd record for a probe
+    try:
+        _ClosurePickler(io.BytesIO()).dump(obj)
+        return True
+    except Exception:
+        return False
+    finally:
+        _tls.send = send
+
+
 def dumps(obj: Any) -> tuple[bytes, list[torch.Tensor]]:
     """Serialize ``obj``.
 
@@ -283,14 +359,17 @@ def dumps(obj: Any) -> tuple[bytes, list[torch.Tensor]]:
         return payload, p.tensors
     except SerializationError:
         raise
-    except Exception as exc:  # pickle raises PicklingError, TypeError, AttributeError...
-        raise SerializationError(f"cannot pickle {_short_type(obj)}: {exc}") from exc
+    except Exception:  # pickle raises PicklingError, TypeError, AttributeError, ByValue
+        pass
     finally:
         p.clear_memo()
         p.tensors = []
         f.seek(0)
         f.truncate()
         cached[2] = False
+    # By reference failed (a lambda, a closure, an interactive __main__'s function):
+    # by value.  Off the fast path: this costs tens of microseconds more.
+    return _dumps_by_value(obj)
 
 
 class SendContext:
@@ -382,8 +461,9 @@ def loads(payload, tensors: list, gates=None) -> Any:
     except Exception as exc:
         hint = ""
         if isinstance(exc, (AttributeError, ImportError)):
-            hint = (" (the RPC pickler does not serialize function code: a function must be "
-                    "defined, importable under the same module name, on both workers)")
+            hint = (" (a module-level function or class travels by reference: it must be "
+                    "importable under the same module name on both workers; lambdas, "
+                    "closures and an interactive __main__'s travel by value)")
         raise SerializationError(
             f"cannot unpickle message: {type(exc).__name__}: {exc}{hint}") from exc
     finally:

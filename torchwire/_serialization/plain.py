@@ -34,6 +34,7 @@ import torch
 
 from .._base.asyncexec import ASYNC_ATTR
 from .._base.errors import ProtocolError, SerializationError
+from .closures import interactive_main
 from .hooks import hooks
 from .pickler import SendContext, _shaped
 from .state import grad as _grad
@@ -210,7 +211,8 @@ def plain_call(func, args, kwargs, dest: int) -> tuple[bytes, list, SendContext 
         return None  # (is_async, inlined: every call's path)
     module = func.__module__
     mod = sys.modules.get(module) if type(module) is str else None
-    if mod is None or getattr(mod, name, None) is not func:
+    if mod is None or getattr(mod, name, None) is not func or \
+            (module == "__main__" and interactive_main()):
         return None
     cid = _grad.context
     grad_hook = hooks.autograd

@@ -5,7 +5,9 @@ own CartPole environment (created on it with ``rpc.remote``) and asks the agent
 for an action at every step (``Agent.select_action`` by RPC, with an RRef to the
 agent).  Each round, the agent has every observer play one episode at once
 (``rpc_async`` on the observers' RRefs), then updates the policy with REINFORCE
-on all their episodes.  The reward is the number of steps the pole stayed up
+on all their episodes.  An episode is an ``async def``: it runs on its observer's
+event loop and awaits each action, so no observer thread is held while the agent
+thinks.  The reward is the number of steps the pole stayed up
 (at most 500).
 
     python -m torchwire.examples.rl                 # 2 observers
@@ -47,14 +49,15 @@ class Observer:
         self.episodes = 0
         self.bar = _common.Progress(args, f"observer{index}", index - 1, rounds, "env steps")
 
-    def run_episode(self, agent_rref) -> list[float]:
+    async def run_episode(self, agent_rref) -> list[float]:
         """One episode; returns its rewards (one per step)."""
         state, _ = self.env.reset(seed=self.seed * 10_000 + self.index * 1000 + self.episodes)
         self.episodes += 1
         rewards: list[float] = []
         while True:
-            action = rpc.rpc_sync(agent_rref.owner(), Agent.select_action,
-                                  args=(agent_rref, self.index, torch.from_numpy(state)))
+            action = await rpc.rpc_async(agent_rref.owner(), Agent.select_action,
+                                         args=(agent_rref, self.index,
+                                               torch.from_numpy(state)))
             state, reward, terminated, truncated, _ = self.env.step(action)
             rewards.append(float(reward))
             if terminated or truncated:

@@ -1,0 +1,280 @@
+"""asyncio end to end: awaitable futures, ``async def`` remote functions, cancellation."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import pytest
+import torch
+
+import torchwire
+import torchwire.rpc as rpc
+from _cluster import run_world, wait_until
+
+
+# ---------------------------------------------------------------- remote functions
+
+def add(a, b):
+    return a + b
+
+
+def sleep_then(seconds, value):
+    time.sleep(seconds)
+    return value
+
+
+def raise_value_error(msg):
+    raise ValueError(msg)
+
+
+async def async_sleep(seconds, value):
+    await asyncio.sleep(seconds)
+    return value
+
+
+async def async_add_via(to, a, b):
+    """Awaits another worker: a nested call from the callee's event loop."""
+    total = await rpc.rpc_async(to, add, args=(a, b))
+    return total * 10
+
+
+async def async_raise(msg):
+    await asyncio.sleep(0)
+    raise KeyError(msg)
+
+
+async def loop_thread_name():
+    return threading.current_thread().name
+
+
+def thread_count():
+    return threading.active_count()
+
+
+def pending_calls():
+    return rpc.stats()["pending"]
+
+
+class Counter:
+    def __init__(self, start):
+        self.value = start
+
+    async def add_later(self, n):
+        await asyncio.sleep(0.01)
+        self.value += n
+        return self.value
+
+
+# ---------------------------------------------------------------- awaiting futures
+
+def body_await_futures():
+    async def main():
+        out = {}
+        out["value"] = await rpc.rpc_async("worker1", add, args=(2, 3))
+        t = await rpc.rpc_async("worker2", torch.add, args=(torch.ones(2), 1))
+        out["tensor"] = t.tolist()
+        # the same exception as wait() raises
+        fut = rpc.rpc_async("worker1", raise_value_error, args=("nope",))
+        with pytest.raises(ValueError) as awaited:
+            await fut
+        with pytest.raises(ValueError) as waited:
+            fut.wait()
+        out["same_error"] = (type(awaited.value) is type(waited.value)
+                             and str(awaited.value) == str(waited.value))
+        out["names_worker"] = "worker1" in str(awaited.value)
+        # done before it is awaited: at once
+        done = rpc.rpc_async("worker1", add, args=(1, 1))
+        done.wait()
+        t0 = time.monotonic()
+        out["done_first"] = await done
+        out["done_first_s"] = time.monotonic() - t0
+        # the loop keeps running while a call is awaited
+        ticks = 0
+
+        async def tick():
+            nonlocal ticks
+            while True:
+                ticks += 1
+                await asyncio.sleep(0.01)
+        ticker = asyncio.ensure_future(tick())
+        out["slow"] = await rpc.rpc_async("worker1", sleep_then, args=(0.3, "slow"))
+        ticker.cancel()
+        out["ticks"] = ticks
+        # fan out with gather
+        out["gather"] = await asyncio.gather(
+            *[rpc.rpc_async(f"worker{1 + i % 3}", add, args=(i, i)) for i in range(30)])
+        return out
+    return asyncio.run(main())
+
+
+def test_await_gives_the_value_or_the_same_error_without_blocking_the_loop(world):
+    out = world.run(0, body_await_futures)
+    assert out["value"] == 5 and out["tensor"] == [2.0, 2.0]
+    assert out["same_error"] and out["names_worker"]
+    assert out["done_first"] == 2 and out["done_first_s"] < 0.05
+    assert out["slow"] == "slow" and out["ticks"] >= 5  # the loop ran while it waited
+    assert out["gather"] == [2 * i for i in range(30)]
+
+
+def body_await_from_several_loops():
+    fut = rpc.rpc_async("worker1", sleep_then, args=(0.2, 7))
+    results, errors = [], []
+
+    def in_thread():
+        async def wait_on_it():
+            return await fut
+        try:
+            results.append(asyncio.run(wait_on_it()))
+        except BaseException as exc:
+            errors.append(exc)
+    threads = [threading.Thread(target=in_thread) for _ in range(4)]
+    for t in threads:
+        t.start()
+    plain = fut.wait()  # and a thread waiting the torch way
+    for t in threads:
+        t.join(30)
+    return results, errors, plain
+
+
+def test_one_future_awaited_from_several_loops_and_threads(world):
+    results, errors, plain = world.run(0, body_await_from_several_loops)
+    assert errors == [] and results == [7] * 4 and plain == 7
+
+
+def body_rrefs_async():
+    async def main():
+        rref = rpc.remote("worker1", add, args=(torch.ones(2), 2))
+        await rref._get_future()  # the creation, awaited
+        value = await rref.to_here_async()
+        counter = rpc.remote("worker2", Counter, args=(5,))
+        via_async_proxy = await counter.rpc_async().add_later(1)
+        via_sync_proxy = counter.rpc_sync().add_later(1)
+        via_remote_proxy = await counter.remote().add_later(1).to_here_async()
+        made_by_coroutine = await rpc.remote("worker3", async_sleep,
+                                             args=(0.01, "ok")).to_here_async()
+        failing = rpc.remote("worker1", raise_value_error, args=("bad value",))
+        with pytest.raises(ValueError, match="bad value"):
+            await failing.to_here_async()
+        mine = await rpc.RRef("local").to_here_async()
+        return (value.tolist(), via_async_proxy, via_sync_proxy, via_remote_proxy,
+                made_by_coroutine, mine)
+    return asyncio.run(main())
+
+
+def test_rrefs_to_here_async_and_coroutine_methods_through_proxies(world):
+    assert world.run(0, body_rrefs_async) == ([3.0, 3.0], 6, 7, 8, "ok", "local")
+
+
+# ---------------------------------------------------------------- async def targets
+
+def body_async_def_targets():
+    out = {}
+    out["sync"] = rpc.rpc_sync("worker1", async_sleep, args=(0.01, "done"))
+    out["nested"] = rpc.rpc_sync("worker1", async_add_via, args=("worker2", 1, 2))
+    out["nested_to_caller"] = rpc.rpc_async("worker1", async_add_via,
+                                            args=("worker0", 3, 4)).wait()
+    out["loop_thread"] = rpc.rpc_sync("worker1", loop_thread_name)
+    try:
+        rpc.rpc_sync("worker1", async_raise, args=("missing",))
+    except KeyError as exc:
+        out["error"] = str(exc)
+    return out
+
+
+def test_async_def_remote_functions_run_on_the_callee_loop(world):
+    out = world.run(0, body_async_def_targets)
+    assert out["sync"] == "done"
+    assert out["nested"] == 30 and out["nested_to_caller"] == 70
+    assert out["loop_thread"] == "torchwire-worker1-asyncio"
+    assert "missing" in out["error"] and "async_raise" in out["error"]  # its traceback
+
+
+def body_thousand_async_calls():
+    threads_before = rpc.rpc_sync("worker1", thread_count)
+
+    async def main():
+        t0 = time.monotonic()
+        values = await asyncio.gather(
+            *[rpc.rpc_async("worker1", async_sleep, args=(0.5, i)) for i in range(1000)])
+        return values, time.monotonic() - t0
+    values, elapsed = asyncio.run(main())
+    return values, elapsed, threads_before, rpc.rpc_sync("worker1", thread_count)
+
+
+def test_a_thousand_concurrent_async_def_calls_take_about_one_sleep(world):
+    values, elapsed, threads_before, threads_after = world.run(0, body_thousand_async_calls)
+    assert values == list(range(1000))
+    # on the default pool, one thread per call would take 1000 / 16 * 0.5 s = 31 s
+    assert elapsed < 3.0, elapsed
+    assert threads_after <= threads_before + 2  # no thread was started per call
+
+
+# ---------------------------------------------------------------- cancellation, deadlines
+
+def body_cancel_and_deadlines():
+    async def main():
+        out = {}
+        task = asyncio.ensure_future(rpc.rpc_async("worker1", sleep_then, args=(1.0, "late")))
+        await asyncio.sleep(0.05)
+        t0 = time.monotonic()
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        out["cancel_s"] = time.monotonic() - t0
+        t0 = time.monotonic()
+        with pytest.raises(asyncio.TimeoutError):
+            await asyncio.wait_for(rpc.rpc_async("worker1", async_sleep, args=(1.0, 0)), 0.1)
+        out["wait_for_s"] = time.monotonic() - t0
+        with pytest.raises(torchwire.RpcTimeoutError):
+            await rpc.rpc_async("worker2", async_sleep, args=(1.0, 0), timeout=0.1)
+        out["after"] = await rpc.rpc_async("worker1", add, args=(1, 2))
+        return out
+    out = asyncio.run(main())
+    # the cancelled calls' late replies arrive and are dropped quietly
+    out["settled"] = wait_until(lambda: pending_calls() == 0, 10)
+    return out
+
+
+def test_cancelling_an_await_stops_waiting_and_timeouts_still_apply(world):
+    out = world.run(0, body_cancel_and_deadlines)
+    assert out["cancel_s"] < 0.5 and out["wait_for_s"] < 0.9
+    assert out["after"] == 3 and out["settled"]
+
+
+# ---------------------------------------------------------------- a fresh job
+
+def _async_job(rank, world_size):
+    """Shutdown with an async def running on the callee's loop completes."""
+    if rank == 0:
+        fut = rpc.rpc_async("worker1", async_sleep, args=(0.2, "finished"))
+        return fut.wait()
+    return None
+
+
+def test_graceful_shutdown_waits_for_running_coroutines():
+    assert run_world(_async_job, 2)[0] == "finished"
+
+
+# ---------------------------------------------------------------- distributed autograd
+
+async def async_scale_via(to, x):
+    """Awaits a nested call in the caller's autograd context, then computes locally."""
+    y = await rpc.rpc_async(to, torch.mul, args=(x, 3.0))
+    await asyncio.sleep(0)
+    return y * 2
+
+
+def body_async_def_in_autograd_context():
+    import torchwire.autograd as dist_autograd
+    x = torch.ones(2, requires_grad=True)
+    with dist_autograd.context() as cid:
+        y = rpc.rpc_sync("worker1", async_scale_via, args=("worker2", x))
+        dist_autograd.backward(cid, [y.sum()])
+        return y.tolist(), dist_autograd.get_gradients(cid)[x].tolist()
+
+
+def test_an_async_def_runs_in_the_callers_autograd_context(world):
+    value, grad = world.run(0, body_async_def_in_autograd_context)
+    assert value == [6.0, 6.0] and grad == [6.0, 6.0]
