@@ -29,6 +29,9 @@ forward is where the lending starts so that what the reducer reads before any pa
 forward) is C's gradient too.  Passes lend under :data:`lock`, which also keeps a
 settle from running in the middle of a pass.
 
+Unlike torch, a plain ``loss.backward()`` on torch's local engine of a forward made in
+C, before C settles, adds into the lent ``.grad``, so into C.
+
 DDP modules are found at their forward: :func:`install` wraps
 ``DistributedDataParallel._pre_forward`` (torch's reducer has no Python hook of its
 own, and a global module hook would tax every module call).
@@ -79,24 +82,26 @@ _modules: dict[int, _Module] = {}  # id(DDP module) -> its record
 
 
 def _forget(key: int) -> None:
-    mod = _modules.pop(key, None)
-    if mod is None:
-        return
-    for k in mod.keys:
-        entry = by_param.get(k)
-        if entry is not None and entry[1] is mod:
-            del by_param[k]
+    with lock:  # (an RLock: the collector may run this on a thread that holds it)
+        mod = _modules.pop(key, None)
+        if mod is None:
+            return
+        for k in mod.keys:
+            entry = by_param.get(k)
+            if entry is not None and entry[1] is mod:
+                del by_param[k]
 
 
 def _register(ddp) -> _Module:
-    key = id(ddp)
-    mod = _modules.get(key)
-    if mod is None:
-        mod = _modules[key] = _Module(ddp)
-        weakref.finalize(ddp, _forget, key)
-        for r, k in zip(mod.params, mod.keys):
-            by_param[k] = (r, mod)
-    return mod
+    with lock:
+        key = id(ddp)
+        mod = _modules.get(key)
+        if mod is None:
+            mod = _modules[key] = _Module(ddp)
+            weakref.finalize(ddp, _forget, key)
+            for r, k in zip(mod.params, mod.keys):
+                by_param[k] = (r, mod)
+        return mod
 
 
 class Lent:

@@ -174,8 +174,9 @@ def _local_pass(ctx: DistAutogradContext, outputs, grads, retain: bool) -> dict:
         else:
             if _ddp.by_param and _ddp.lent_leaves_any(leaves):
                 raise DistAutogradError(
-                    "DistributedDataParallel modules on devices are not supported by "
-                    "torchwire's distributed autograd (CPU modules only)")
+                    "a graph with tensors off the CPU that reaches the parameters of a "
+                    "DistributedDataParallel module is not supported by torchwire's "
+                    "distributed autograd (DDP under it: CPU graphs only)")
             # Device nodes (recv nodes included) run on the engine's device threads: they
             # find the pass by context id, one device pass at a time.
             with _device_lock:
