@@ -55,7 +55,8 @@ def _train(rpc, dist_autograd, rank: int, cfg: dict) -> list:
     net = _Net()
     ddp = DDP(net, bucket_cap_mb=cfg.get("bucket_cap_mb", 25),
               find_unused_parameters=cfg.get("find_unused", False),
-              gradient_as_bucket_view=cfg.get("as_view", False))
+              gradient_as_bucket_view=cfg.get("as_view", False),
+              static_graph=cfg.get("static", False))
     torch.manual_seed(1 + rank)  # each trainer its own data
     w = torch.rand(4, 4, requires_grad=True)
     out = []
@@ -112,6 +113,7 @@ CONFIGS = {
     "bucket_view": {"as_view": True},
     "no_sync": {"no_sync": True},
     "find_unused": {"find_unused": True},
+    "static_graph": {"static": True},
 }
 
 
