@@ -192,8 +192,13 @@ def install() -> None:
     """Wrap ``DistributedDataParallel._pre_forward`` (once): a DDP forward in a context
     lends its parameters to it."""
     global _installed
-    if _installed:
-        return
+    with lock:
+        if not _installed:
+            _wrap_pre_forward()
+            _installed = True
+
+
+def _wrap_pre_forward() -> None:
     from torch.nn.parallel import DistributedDataParallel as DDP
     torch_pre_forward = DDP._pre_forward
 
@@ -207,4 +212,3 @@ def install() -> None:
 
     _pre_forward.__wrapped__ = torch_pre_forward  # type: ignore[attr-defined]
     DDP._pre_forward = _pre_forward
-    _installed = True
