@@ -57,6 +57,9 @@ def _train(rpc, dist_autograd, rank: int, cfg: dict) -> list:
               find_unused_parameters=cfg.get("find_unused", False),
               gradient_as_bucket_view=cfg.get("as_view", False),
               static_graph=cfg.get("static", False))
+    if cfg.get("fp16_hook"):  # a Python communication hook (torch's own)
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+        ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
     torch.manual_seed(1 + rank)  # each trainer its own data
     w = torch.rand(4, 4, requires_grad=True)
     out = []
@@ -114,6 +117,7 @@ CONFIGS = {
     "no_sync": {"no_sync": True},
     "find_unused": {"find_unused": True},
     "static_graph": {"static": True},
+    "comm_hook": {"fp16_hook": True},
 }
 
 
