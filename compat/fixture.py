@@ -22,15 +22,20 @@ from _alias import MissingFeature
 
 assert rpc.__name__.startswith("torchwire"), "compat._alias.install() must run first"
 
-# (module under torch.testing._internal.distributed.rpc, class) in the order reported.
+# (module under torch.testing._internal.distributed, class) in the order reported: the
+# classes torch's rpc_utils.GENERIC_TESTS and TENSORPIPE_TESTS name that run on CPU.
 SUITES = [
-    ("rpc_test", "RpcTest"),
-    ("rpc_test", "TensorPipeAgentRpcTest"),
-    ("dist_autograd_test", "DistAutogradTest"),
-    ("dist_autograd_test", "TensorPipeAgentDistAutogradTest"),
-    ("dist_optimizer_test", "DistOptimizerTest"),
-    ("examples.parameter_server_test", "ParameterServerTest"),
-    ("examples.reinforcement_learning_rpc_test", "ReinforcementLearningRpcTest"),
+    ("rpc.rpc_test", "RpcTest"),
+    ("rpc.rpc_test", "TensorPipeAgentRpcTest"),
+    ("rpc.dist_autograd_test", "DistAutogradTest"),
+    ("rpc.dist_autograd_test", "TensorPipeAgentDistAutogradTest"),
+    ("rpc.dist_optimizer_test", "DistOptimizerTest"),
+    ("rpc.examples.parameter_server_test", "ParameterServerTest"),
+    ("rpc.examples.reinforcement_learning_rpc_test", "ReinforcementLearningRpcTest"),
+    ("nn.api.remote_module_test", "RemoteModuleTest"),
+    ("nn.api.remote_module_test", "ThreeWorkersRemoteModuleTest"),
+    ("ddp_under_dist_autograd_test", "DdpUnderDistAutogradTest"),
+    ("ddp_under_dist_autograd_test", "DdpComparisonTest"),
 ]
 
 
@@ -123,7 +128,7 @@ def build_classes(module_name: str) -> dict[str, type]:
     classes = {}
     for module, name in SUITES:
         suite = getattr(importlib.import_module(
-            f"torch.testing._internal.distributed.rpc.{module}"), name)
+            f"torch.testing._internal.distributed.{module}"), name)
         cls = type(name, (suite, _fixture(), ForkHelper), {})
         cls.__module__ = module_name
         cls.__qualname__ = name

@@ -1,9 +1,9 @@
 """A quick subset of torch's own RPC test suite, run against torchwire.
 
 ``./run compat`` runs every public test of torch's suite (docs/compat.md); this runs
-the ~60 listed in ``compat/quick.txt``, across remote calls, RRefs, futures,
-distributed autograd and the optimizer, in a separate pytest process, under
-``torchwire.patch`` alone (``TORCHWIRE_COMPAT_PATCH_ONLY=1``): torch's test modules
+the ~70 listed in ``compat/quick.txt``, across remote calls, RRefs, futures,
+distributed autograd, the optimizer, RemoteModule and DDP, in a separate pytest
+process, under ``torchwire.patch`` alone (``TORCHWIRE_COMPAT_PATCH_ONLY=1``): torch's test modules
 and torch's own TensorPipe fixture, with no placeholders for what torchwire lacks.
 """
 

@@ -110,7 +110,7 @@ def test_sigkill_fails_everything_that_depended_on_the_worker_and_nothing_else()
         assert owned.to_here().tolist() == [1.0, 1.0]
         mine = rpc.RRef(torch.zeros(3))
         assert rpc.rpc_sync("worker2", keep, args=("held", mine))  # worker2 holds a fork
-        assert rpc.api._rref_context_get_debug_info()["num_forks"] == 1
+        assert int(rpc.api._rref_context_get_debug_info()["num_forks"]) == 1
         with dist_autograd.context() as cid:
             x = torch.ones(2, requires_grad=True)
             y = rpc.rpc_sync("worker2", torch.mul, args=(x, 2))
@@ -135,7 +135,7 @@ def test_sigkill_fails_everything_that_depended_on_the_worker_and_nothing_else()
             assert info.value.worker_name == "worker2"
             with pytest.raises(torchwire.WorkerUnavailableError, match="worker2"):
                 owned.rpc_sync().sum()
-            assert wait_until(lambda: rpc.api._rref_context_get_debug_info()["num_forks"] == 0)
+            assert wait_until(lambda: int(rpc.api._rref_context_get_debug_info()["num_forks"]) == 0)
             t0 = time.monotonic()
             with pytest.raises(torchwire.WorkerUnavailableError, match="worker2") as info:
                 dist_autograd.backward(cid, [y.sum()])

@@ -64,7 +64,7 @@ class Counter:
 
 def debug_info():
     gc.collect()  # RRefs caught in reference cycles (tracebacks kept by pytest.raises)
-    return rpc._rref_context_get_debug_info()
+    return {k: int(v) for k, v in rpc._rref_context_get_debug_info().items()}
 
 
 def wait_settled(ranks=(0, 1, 2, 3), timeout=20.0):

@@ -25,7 +25,7 @@ _fork = mp.get_context("fork")
 
 def _info() -> dict:
     gc.collect()  # RRefs caught in reference cycles (tracebacks kept by pytest.raises)
-    return rpc.api._rref_context_get_debug_info()
+    return {k: int(v) for k, v in rpc.api._rref_context_get_debug_info().items()}
 
 
 def _nap(seconds, value):

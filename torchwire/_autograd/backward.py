@@ -47,6 +47,7 @@ from .._base.errors import (DistAutogradError, ProtocolError, RemoteError, RpcSt
                             RpcTimeoutError, WorkerUnavailableError)
 from .context import ContextContainer, DistAutogradContext, container
 from .kinds import AutogradKind
+from . import ddp as _ddp
 from .engine import _local_pass
 
 log = logging.getLogger(__name__)
@@ -450,9 +451,7 @@ def get_gradients(context_id: int) -> dict:
         DistAutogradError: no such context here ("Could not find autograd context with
             id").
     """
-    ctx = container().get(context_id)
-    with ctx.lock:
-        return dict(ctx.grads.values())
+    return dict(container().get(context_id).grad_table().values())
 
 
 def _owner_backward(value, context_id: int, retain_graph: bool) -> None:
@@ -473,6 +472,10 @@ class AutogradContainer(ContextContainer):
     """This runtime's distributed autograd: the context records, and the agent plug-in
     (``torchwire._agent.runtime.AgentPlugin``) that fails the passes a lost worker
     held part of."""
+
+    def __init__(self, agent) -> None:
+        super().__init__(agent)
+        _ddp.install()  # DDP modules' forwards in a context lend it their gradients
 
     def settle(self, deadline: float) -> None:
         pass  # nothing queued: a pass's messages are sent as it runs

@@ -49,7 +49,8 @@ _TOMBSTONES_MAX = 100_000
 class DistAutogradContext:
     """One worker's record of a distributed autograd context."""
 
-    __slots__ = ("id", "lock", "sends", "grads", "known", "recvs", "forwarded", "__weakref__")
+    __slots__ = ("id", "lock", "sends", "grads", "known", "recvs", "forwarded", "ddp",
+                 "__weakref__")
 
     def __init__(self, context_id: int) -> None:
         self.id = context_id
@@ -63,6 +64,8 @@ class DistAutogradContext:
         # backward passes of other roots this worker sent gradients on in:
         # pass key -> ranks (if one is lost, the root must hear of it from here)
         self.forwarded: dict[tuple, set[int]] = {}
+        # DDP parameters whose .grad this context holds (``ddp.Lent``), or None
+        self.ddp = None
 
     # torch's DistAutogradContext methods
     def _context_id(self) -> int:
@@ -78,6 +81,14 @@ class DistAutogradContext:
 
     def _num_recv_functions(self) -> int:
         return self.recvs
+
+    def grad_table(self) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+        """A copy of ``grads`` (``id(leaf) -> (leaf, gradient)``), with the gradients
+        DDP's reducer holds in ``.grad`` moved in first (``ddp.Lent.settle``)."""
+        if self.ddp is not None:
+            self.ddp.settle(self)
+        with self.lock:
+            return dict(self.grads)
 
     def accumulate(self, pairs: list) -> None:
         """Add one local pass's ``(leaf, grad)`` pairs into the context's gradients.
@@ -240,6 +251,8 @@ class ContextContainer:
                 self._tombstones[context_id] = None
                 while len(self._tombstones) > _TOMBSTONES_MAX:
                     self._tombstones.pop(next(iter(self._tombstones)))
+        if ctx is not None and ctx.ddp is not None:
+            ctx.ddp.settle(ctx)  # the user's .grad of DDP's parameters comes back
         if ctx is not None and forward:
             with ctx.lock:
                 known = sorted(ctx.known - {source})

@@ -14,6 +14,8 @@ import threading
 import torch
 
 from .._base import intraop as _intraop
+from .._base.errors import DistAutogradError
+from . import ddp as _ddp
 from .context import DistAutogradContext
 from .recording import _anchor, _pass, device_passes
 
@@ -98,6 +100,27 @@ def _engine_backward(outputs: list, grads: list, retain: bool, inputs: list) -> 
 
 
 
+def _cpu_pass(state, leaves, captured, inner, inner_grads, retain, inputs, numel,
+              lent) -> None:
+    """The engine's run of a CPU pass: a capture pre-hook on each leaf's AccumulateGrad
+    node but those whose ``.grad`` is lent to DDP's reducer (``lent``: their ids)."""
+    if lent is None:
+        handles = [node.register_prehook(_capture(state, leaf, captured))
+                   for leaf, node in leaves]
+    else:
+        handles = [node.register_prehook(_capture(state, leaf, captured))
+                   for leaf, node in leaves if id(leaf) not in lent]
+    serial = _intraop.serial_for(numel)
+    try:
+        inputs.append(_anchor)
+        _engine_backward(inner, inner_grads, retain, inputs)
+    finally:
+        if serial is not None:
+            _intraop.restore(serial)
+        for h in handles:
+            h.remove()
+
+
 def _local_pass(ctx: DistAutogradContext, outputs, grads, retain: bool) -> dict:
     """One run of the local engine; returns ``{(src, send id): grad}`` to send on.
 
@@ -140,18 +163,20 @@ def _local_pass(ctx: DistAutogradContext, outputs, grads, retain: bool) -> dict:
             # hooks added or removed while another pass runs the same node's hooks
             # could make it skip ours.
             with _hooked:
-                handles = [node.register_prehook(_capture(state, leaf, captured))
-                           for leaf, node in leaves]
-                serial = _intraop.serial_for(numel)
-                try:
-                    inputs.append(_anchor)
-                    _engine_backward(inner, inner_grads, retain, inputs)
-                finally:
-                    if serial is not None:
-                        _intraop.restore(serial)
-                    for h in handles:
-                        h.remove()
+                if _ddp.by_param:  # a DDP module ran: its parameters' .grad may be lent
+                    with _ddp.lock:
+                        lent = _ddp.lent_leaves(ctx, leaves)
+                        _cpu_pass(state, leaves, captured, inner, inner_grads, retain,
+                                  inputs, numel, lent)
+                else:
+                    _cpu_pass(state, leaves, captured, inner, inner_grads, retain, inputs,
+                              numel, None)
         else:
+            if _ddp.by_param and _ddp.lent_leaves_any(leaves):
+                raise DistAutogradError(
+                    "a graph with tensors off the CPU that reaches the parameters of a "
+                    "DistributedDataParallel module is not supported by torchwire's "
+                    "distributed autograd (DDP under it: CPU graphs only)")
             # Device nodes (recv nodes included) run on the engine's device threads: they
             # find the pass by context id, one device pass at a time.
             with _device_lock:

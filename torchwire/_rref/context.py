@@ -75,6 +75,7 @@ class RRefContext:
                 "num_pending_users": sum(1 for s in self._users.values() if not s.confirmed),
                 "num_pending_children": len(self._children),
                 "num_user_rrefs": len(self._users),
+                "num_pending_futures": self.janitor.pending(),
             }
 
     # owner table -------------------------------------------------------------------

@@ -58,6 +58,11 @@ class Janitor:
     def start(self) -> None:
         self._thread.start()
 
+    def pending(self) -> int:
+        """Control messages queued or awaiting their reply (torch's
+        ``num_pending_futures``)."""
+        return self._events.qsize() + self._inflight
+
     def hurry(self) -> None:
         """A fork waits for its confirmation: send the next batch at once."""
         self._urgent.set()

@@ -13,11 +13,9 @@ context: the embedding lookup by RPC, the dense part here, ``backward`` reaching
 both, and a ``DistributedOptimizer`` stepping both (the embedding on the ps,
 the dense part here).
 
-The dense gradients are averaged over the trainers' process group from the
-context (``get_gradients``) before the step: DDP's own averaging runs from
-hooks of torch's local autograd engine, which torchwire's distributed backward
-does not run (README, "Differences").  DDP still makes the replicas start equal,
-and the summary checks that they ended equal.
+DDP averages the dense gradients over the trainers' process group during
+``backward``, in the context, as under torch's distributed autograd; the
+summary checks that the replicas ended equal.
 
     python -m torchwire.examples.hybrid              # 2 trainers + ps
     torchrun --nproc-per-node 3 -m torchwire.examples.hybrid
@@ -63,19 +61,6 @@ class HybridModel(nn.Module):
         return self.dense(self.emb(tokens(x)))
 
 
-def average_dense_gradients(context_id: int, module: nn.Module, world: int) -> None:
-    """All-reduce the gradients of ``module`` held in the context, in place."""
-    grads = dist_autograd.get_gradients(context_id)
-    mine = [grads[p] for p in module.parameters()]
-    flat = torch.cat([g.reshape(-1) for g in mine])
-    dist.all_reduce(flat)
-    flat /= world
-    offset = 0
-    for g in mine:  # the context's own tensors: the optimizer step reads these
-        g.copy_(flat[offset:offset + g.numel()].view_as(g))
-        offset += g.numel()
-
-
 def run_trainer(emb: RemoteModule, rank: int, n: int, args) -> dict:
     """A trainer's loop (started by the ps; the process group is up already)."""
     x_train, y_train, x_test, y_test = _data.digits(args.seed)
@@ -89,10 +74,8 @@ def run_trainer(emb: RemoteModule, rank: int, n: int, args) -> dict:
     for _ in range(args.steps):
         idx = torch.randint(0, len(y), (args.batch_size,), generator=g)
         with dist_autograd.context() as context_id:
-            with model.dense.no_sync():  # averaged below, from the context
-                loss = F.cross_entropy(model(x[idx]), y[idx])
-            dist_autograd.backward(context_id, [loss])
-            average_dense_gradients(context_id, model.dense, n)
+            loss = F.cross_entropy(model(x[idx]), y[idx])
+            dist_autograd.backward(context_id, [loss])  # DDP averages the dense part
             opt.step(context_id)
         losses.append(loss.item())
         bar.update(args.batch_size, loss=losses[-1])

@@ -139,31 +139,40 @@ class RemoteModule(nn.Module):
         self.on = rpc.get_worker_info(where).name
         self.is_device_map_set = False
         self.is_scriptable = False
-        self.generated_methods = ("forward", "forward_async")
+        self.generated_methods = _GENERATED
 
     @staticmethod
     def init_from_module_rref(remote_device: str, module_rref: rpc.RRef,
                               _module_interface_cls: Any = None) -> RemoteModule:
-        """A RemoteModule around an existing module RRef (the module is shared, not copied)."""
+        """A RemoteModule around an existing module RRef (the module is shared, not copied).
+
+        As torch's, ``forward`` runs on the RRef's owner; ``remote_device`` names this
+        RemoteModule's ``on`` and ``device``."""
         m = RemoteModule.__new__(RemoteModule)
         nn.Module.__init__(m)
         m._prepare(remote_device)
-        if module_rref.owner_name() != m.on:
-            raise ValueError(f"module_rref is owned by {module_rref.owner_name()}, not by "
-                             f"{m.on} of remote_device {remote_device!r}")
         m.module_rref = module_rref
         return m
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        return rpc.rpc_sync(self.on, _remote_forward,
+        # to the module's owner, as torch's generated forward
+        return rpc.rpc_sync(self.module_rref.owner_name(), _remote_forward,
                             (self.module_rref, self.device, self.is_device_map_set, *args),
                             kwargs)
 
     def forward_async(self, *args: Any, **kwargs: Any) -> rpc.Future:
         """Like ``forward``; returns a future of the output."""
-        return rpc.rpc_async(self.on, _remote_forward,
+        return rpc.rpc_async(self.module_rref.owner_name(), _remote_forward,
                              (self.module_rref, self.device, self.is_device_map_set, *args),
                              kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        # A RemoteModule received over RPC carries torch's pickled attributes only (its
+        # __dict__ is torch's); nn.Module's own state is made when first asked for.
+        if name in _MODULE_STATE and "_parameters" not in self.__dict__:
+            nn.Module.__init__(self)
+            return getattr(self, name)
+        return super().__getattr__(name)
 
     def remote_parameters(self, recurse: bool = True) -> list[rpc.RRef]:
         """RRefs to the remote module's parameters (e.g. for ``DistributedOptimizer``)."""
@@ -180,7 +189,7 @@ class RemoteModule(nn.Module):
                          "``remote_parameters`` instead.")
 
     def train(self, mode: bool = True) -> RemoteModule:
-        rpc.rpc_sync(self.on, _set_training, args=(self.module_rref, mode))
+        rpc.rpc_sync(self.module_rref.owner_name(), _set_training, args=(self.module_rref, mode))
         self.training = mode
         return self
 
@@ -212,21 +221,29 @@ for _name in _UNSUPPORTED:
 del _name
 
 
-def _rebuild_remote_module(on: str, device: str, is_device_map_set: bool, module_rref: rpc.RRef,
-                           training: bool) -> RemoteModule:
+# What a RemoteModule sent over RPC carries, in torch's order
+# (torch.distributed.nn.api.remote_module._REMOTE_MODULE_PICKLED_ATTRIBUTES); the receiver
+# installs the generated methods after them, as torch's does.
+_PICKLED = ("on", "device", "is_device_map_set", "is_scriptable", "generated_methods",
+            "module_rref")
+_GENERATED = ("forward_async", "forward")
+_MODULE_STATE = frozenset(vars(nn.Module()))  # what nn.Module.__init__ sets
+
+
+def _rebuild_remote_module(*values: Any) -> RemoteModule:
     m = RemoteModule.__new__(RemoteModule)
-    nn.Module.__init__(m)
-    m.on, m.device, m.is_device_map_set = on, device, is_device_map_set
-    m.is_scriptable = False
-    m.generated_methods = ("forward", "forward_async")
-    m.module_rref = module_rref
-    m.training = training
+    m.__dict__.update(zip(_PICKLED, values))
+    for name in m.generated_methods:
+        m.__dict__[name] = getattr(RemoteModule, name).__get__(m)
     return m
 
 
 def _reduce_remote_module(m: RemoteModule) -> tuple[Callable[..., RemoteModule], tuple[Any, ...]]:
-    return _rebuild_remote_module, (m.on, m.device, m.is_device_map_set, m.module_rref,
-                                    m.training)
+    return _rebuild_remote_module, tuple(getattr(m, k) for k in _PICKLED)
+
+
+# torch's base class, which takes a TorchScript module interface (refused here)
+_RemoteModule = RemoteModule
 
 
 ser.hooks.register_reducer(RemoteModule, _reduce_remote_module)

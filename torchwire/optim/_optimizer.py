@@ -42,8 +42,7 @@ class _LocalOptimizer:
         grads: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         with _LocalOptimizer.global_lock:
             if ctx is not None:
-                with ctx.lock:
-                    grads = dict(ctx.grads)  # id(leaf) -> (leaf, gradient)
+                grads = ctx.grad_table()  # id(leaf) -> (leaf, gradient)
             for p in self._params:
                 entry = grads.get(id(p))
                 p.grad = None if entry is None else entry[1]

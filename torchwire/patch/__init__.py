@@ -15,10 +15,11 @@ torchwire's: ``torch.distributed.rpc`` and its submodules ``api``, ``functions``
 ``constants``, ``options``, ``backend_registry``, ``internal``, ``rref_proxy``;
 ``torch.distributed.autograd``; ``torch.distributed.optim.DistributedOptimizer`` and
 ``torch.distributed.nn.RemoteModule`` (with ``torch.distributed.nn.api.remote_module``'s
-and ``torch.distributed.optim.optimizer``'s).  It rebinds the entries of ``sys.modules``
-and the attributes of the parent packages; a module that had already bound torch's
-names before keeps them.  A submodule of torch's RPC packages that torchwire has no
-counterpart for (``torch.distributed.rpc._utils``, ...) fails to import, saying so.
+``RemoteModule`` and ``_RemoteModule``, and ``torch.distributed.optim.optimizer``'s).
+It rebinds the entries of ``sys.modules`` and the attributes of the parent packages; a
+module that had already bound torch's names before keeps them.  A submodule of torch's
+RPC packages that torchwire has no counterpart for (``torch.distributed.rpc._utils``,
+...) fails to import, saying so.
 
 Processes the program starts through ``multiprocessing`` (and so
 ``torch.multiprocessing.spawn``) are patched too: a forked child inherits the patched
@@ -63,6 +64,7 @@ CLASSES: dict[tuple[str, str], str] = {
     ("torch.distributed.optim.optimizer", "DistributedOptimizer"): "torchwire.optim",
     ("torch.distributed.nn", "RemoteModule"): "torchwire.nn",
     ("torch.distributed.nn.api.remote_module", "RemoteModule"): "torchwire.nn",
+    ("torch.distributed.nn.api.remote_module", "_RemoteModule"): "torchwire.nn._remote_module",
 }
 
 _PREFIXES = tuple(f"{name}." for name in MODULES if name.count(".") == 2)

@@ -53,12 +53,12 @@ __all__ = [
 
 def _get_debug_info() -> dict[str, int | str]:
     """torch's private summary: the RRef counters, the agent's calls awaiting a reply
-    (a string, under torch's key) and distributed autograd's counters."""
-    info: dict[str, int | str] = dict(_rref_context_get_debug_info())
+    (under torch's key) and distributed autograd's counters, as strings (as torch's)."""
+    info: dict[str, int | str] = dict(_rref_context_get_debug_info())  # strings, as torch's
     info["agent.num_pending_requests"] = str(_get_current_rpc_agent().stats()["pending"])
     autograd = _autograd_container().debug_info()
-    info.update({k: autograd[k] for k in ("num_autograd_contexts",
-                                          "num_current_backward_passes")})
+    info.update({k: str(autograd[k]) for k in ("num_autograd_contexts",
+                                               "num_current_backward_passes")})
     return info
 
 

@@ -149,12 +149,13 @@ def _delete_all_user_and_unforked_owner_rrefs(timeout: float | None = None) -> N
         rt.rrefs.delete_all_users()
 
 
-def _rref_context_get_debug_info() -> dict[str, int]:
-    """RRef counters of this worker: ``num_owner_rrefs`` (values with forks elsewhere),
-    ``num_forks``, ``num_live_values`` (every value owned here that is still alive),
-    ``num_pending_users``, ``num_pending_children``, ``num_user_rrefs``."""
-    info: dict[str, int] = require_runtime().rrefs.debug_info()
-    return info
+def _rref_context_get_debug_info() -> dict[str, str]:
+    """RRef counters of this worker, as strings (as torch's): torch's keys
+    ``num_owner_rrefs`` (values with forks elsewhere), ``num_forks``,
+    ``num_pending_futures`` (RRef control messages queued or awaiting their reply),
+    ``num_pending_users``; and torchwire's ``num_live_values`` (every value owned here
+    that is still alive), ``num_pending_children``, ``num_user_rrefs``."""
+    return {k: str(v) for k, v in require_runtime().rrefs.debug_info().items()}
 
 
 def get_worker_info(worker_name: str | int | None = None) -> WorkerInfo:
