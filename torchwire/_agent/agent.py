@@ -13,6 +13,8 @@
 ``liveness.py``     the heartbeat, lost and dead peers, reconnection
 ``pool.py``         the threads that run user functions and callbacks
 ``counters.py``     requests sent and received, for stats and termination
+``metrics.py``      per-peer latency histograms, errors and timeouts of calls
+``report.py``       ``stats()``, torch's ``get_metrics()``/``get_debug_info()``
 ==================  ==========================================================
 
 Threads: a reader per connection (I/O: decodes frames, completes pending calls,
@@ -46,7 +48,6 @@ from .._base.options import DEFAULT_HEARTBEAT_INTERVAL, DEFAULT_HEARTBEAT_TIMEOU
 from .._base.worker_info import WorkerInfo
 from .._base.worker_record import WorkerRecord
 from .._wire import frame as F
-from .._wire.channels import segments
 from .._wire.listener import host_identity
 from .counters import Counters
 from .future import Future, SyncReply
@@ -55,6 +56,7 @@ from .liveness import PeerHealth
 from .names import MessageLimits, NameTable
 from .pending import PendingCalls
 from .plugins import AgentPlugin
+from . import prometheus, report
 from .pool import WorkerPool
 from .serving import Server
 from .state import AgentState
@@ -93,6 +95,7 @@ class RpcAgent:
         self.max_message_size = int(options.max_message_size)
         self.state = AgentState.RUNNING
         self.membership = None  # a dynamic group's GroupMembership
+        self.metrics_endpoint = None  # the Prometheus endpoint, when asked for
         self._plugins: list[AgentPlugin] = []
         self.names = NameTable(records)
         self.limits = MessageLimits(self.max_message_size, self.names)
@@ -113,31 +116,18 @@ class RpcAgent:
         return (f"<RpcAgent {self.name} rank={self.rank}/{world} state={self.state.value} "
                 f"pending={len(self.pending)} {self.links!r}>")
 
-    def stats(self) -> dict:
-        """Counters for monitoring and the demo: calls and bytes, per direction."""
-        conns = self.links.all()
-        c = self.counters
-        return {
-            "name": self.name,
-            "calls_sent": c.sent,
-            "calls_served": c.received,
-            "pending": len(self.pending),
-            "replies_sent": c.replies,
-            # replies an I/O thread wrote itself, without a pool hop (serving.py)
-            "replies_in_place": c.replies_in_place,
-            "connections": len(conns),
-            "bytes_out": sum(c.bytes_out for c in conns),
-            "bytes_in": sum(c.bytes_in for c in conns),
-            "transports": sorted({c.transport for c in conns}),
-            "channels": sorted({"shm" if c.channels.sends("shm") else "cma"
-                                if c.channels.sends("cma") else "socket" for c in conns}),
-            "shm": segments.stats(),
-        }
+    # rpc.stats(), and torch's agent metrics and debug info under torch's keys
+    stats, get_metrics, get_debug_info = report.stats, report.get_metrics, report.get_debug_info
 
     # ------------------------------------------------------------------ set-up
 
     def start(self) -> None:
-        """Serve: accept connections, start the liveness monitor."""
+        """Serve: accept connections, start the liveness monitor and (if asked for) the
+        Prometheus endpoint (``prometheus.MetricsEndpoint``: its errors)."""
+        port = prometheus.wanted_port(self.options, self.rank)
+        if port is not None:
+            self.metrics_endpoint = prometheus.MetricsEndpoint(
+                self, port, getattr(self.options, "metrics_addr", None) or "127.0.0.1")
         self.links.start()
         self.health.start()
 
@@ -245,6 +235,7 @@ class RpcAgent:
                 sent.abort()
             if isinstance(exc, RpcTimeoutError):
                 exc = self.pending.timeout_error(peer, timeout, func, str(exc))
+            self.pending.metrics.failed(peer, exc, isinstance(exc, RpcTimeoutError))
             fut.set_exception(exc)
             return fut
         # ``sent`` rides along: it pins what must stay alive until the reply (RRefs)
@@ -453,6 +444,8 @@ class RpcAgent:
                 return
 
     def _close_local(self) -> None:
+        if self.metrics_endpoint is not None:
+            self.metrics_endpoint.close()
         self.links.close_all(self._mark_closed)
         self.pending.stop()
         self.health.stop()

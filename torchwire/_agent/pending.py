@@ -29,13 +29,16 @@ import time
 from .. import _serialization as ser
 from .._base.errors import ProtocolError, RpcTimeoutError, SerializationError
 from .._wire import frame as F
+from .metrics import CallMetrics
 from .timer import DeadlineTimer
+
+_perf = time.perf_counter
 
 
 class PendingCall:
     """One call waiting for its reply."""
 
-    __slots__ = ("future", "tick", "peer", "conn", "timeout", "func", "pin")
+    __slots__ = ("future", "tick", "peer", "conn", "timeout", "func", "pin", "t0")
 
     def __init__(self, future, peer: int, conn, timeout: float, func, pin) -> None:
         self.future = future  # a Future, or a SyncReply for a caller that waits at once
@@ -45,6 +48,7 @@ class PendingCall:
         self.timeout = timeout  # seconds, for the timeout's message
         self.func = func  # what it calls, for the timeout's message
         self.pin = pin  # kept alive until the call ends (what pickling pinned, RRefs)
+        self.t0 = _perf()  # when it was sent, for its latency (metrics.py)
 
     def __repr__(self) -> str:
         return f"<PendingCall to rank {self.peer}: {func_name(self.func)}>"
@@ -55,10 +59,13 @@ class PendingCalls:
 
     Args:
         name_of: ``name_of(rank)``, a worker's name for error messages.
+        metrics: the per-peer :class:`~.metrics.CallMetrics` every ended call is
+            counted in (latency of replies, errors, timeouts).
     """
 
-    def __init__(self, name_of) -> None:
+    def __init__(self, name_of, metrics: CallMetrics | None = None) -> None:
         self._name_of = name_of
+        self.metrics = metrics if metrics is not None else CallMetrics()
         self._table: dict[int, PendingCall] = {}
         self._rids = itertools.count(1)
         self._timer = DeadlineTimer(self._expire)
@@ -80,7 +87,7 @@ class PendingCalls:
         # PendingCall(...) without its __init__: a Python call less on every call's path
         call = _new(PendingCall)
         call.future, call.tick, call.peer, call.conn = future, None, peer, conn
-        call.timeout, call.func, call.pin = timeout, func, pin
+        call.timeout, call.func, call.pin, call.t0 = timeout, func, pin, _perf()
         self._table[rid] = call
         if deadline is not None:
             call.tick = self._timer.add(rid, deadline)
@@ -95,6 +102,7 @@ class PendingCalls:
             return
         if call.tick is not None:
             self._timer.cancel(rid, call.tick)
+        self.metrics.failed(call.peer, exc)
         call.future.set_exception(exc)
         self._note_idle()
 
@@ -132,6 +140,7 @@ class PendingCalls:
             return  # timed out while decoding
         if call.tick is not None:
             self._timer.cancel(rid, call.tick)
+        self.metrics.replied(call.peer, _perf() - call.t0, error)
         if error is not None:
             call.future.set_exception(error)
         else:
@@ -165,7 +174,9 @@ class PendingCalls:
             call = self._table.pop(rid, None)
             if call is None:
                 continue
-            call.future.set_exception(self.timeout_error(call.peer, call.timeout, call.func))
+            err = self.timeout_error(call.peer, call.timeout, call.func)
+            self.metrics.failed(call.peer, err, timeout=True)
+            call.future.set_exception(err)
         self._note_idle()
 
     def timeout_error(self, peer: int, timeout: float, func, detail: str = "",

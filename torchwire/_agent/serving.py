@@ -58,6 +58,7 @@ class Server:
         self._pool = agent.pool
         self._counters = agent.counters
         self._desc = repr(agent.info)
+        self.async_active = 0  # @async_execution functions whose future is not done
         self.inline = InlineScheduler(agent.pool.submit, agent.links.spawn_reader)
 
     def __repr__(self) -> str:
@@ -149,7 +150,9 @@ class Server:
             if getattr(func, ASYNC_ATTR, None) is not None:
                 fut = func(*(args or ()), **(kwargs or {}))
                 check_future(func, fut)
-                fut.add_done_callback(lambda f: self.reply_future(conn, rid, f))
+                with self._counters.lock:
+                    self.async_active += 1
+                fut.add_done_callback(lambda f: self._async_done(conn, rid, f))
                 return
             result = func(*(args or ()), **(kwargs or {}))
             if type(result) is Deferred:  # torchwire-internal functions (RRefs)
@@ -170,6 +173,11 @@ class Server:
         # deletion before the caller learns the call is over.
         del func, args, kwargs
         self.reply_value(conn, rid, result)
+
+    def _async_done(self, conn, rid: int, fut) -> None:
+        with self._counters.lock:
+            self.async_active -= 1
+        self.reply_future(conn, rid, fut)
 
     # ------------------------------------------------------------------ replies
 
