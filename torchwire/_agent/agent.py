@@ -56,7 +56,7 @@ from .liveness import PeerHealth
 from .names import MessageLimits, NameTable
 from .pending import PendingCalls
 from .plugins import AgentPlugin
-from . import prometheus, report
+from . import profiling, prometheus, report
 from .pool import WorkerPool
 from .serving import Server
 from .state import AgentState
@@ -65,6 +65,7 @@ from .termination import Termination
 log = logging.getLogger("torchwire")
 
 _K_REQUEST, _F_PLAIN = F.K_REQUEST, F.F_PLAIN
+_profiler_on = profiling.enabled
 
 
 class RpcAgent:
@@ -109,6 +110,7 @@ class RpcAgent:
         self.server = Server(self)
         self.termination = Termination(self)
         self._share_host()
+        profiling.install()
 
     def __repr__(self) -> str:
         world = self.world_size if self.world_size is not None else \
@@ -195,12 +197,13 @@ class RpcAgent:
     # ------------------------------------------------------------------ calls
 
     def call(self, to: WorkerInfo, func, args, kwargs, timeout: float, pin=None,
-             sync: bool = False):
+             sync: bool = False, traced: bool = False):
         """Send a request; returns the future of its reply.
 
         ``pin``: an object kept alive until the reply arrives (or the call fails).
         ``sync``: the caller waits for the reply at once: a :class:`SyncReply` instead
-        of a future (only ``wait()`` and ``done()``).
+        of a future (only ``wait()`` and ``done()``).  While a profiler runs, the call
+        is an event of it (``profiling.py``; ``traced``: it is already).
 
         Raises (on the caller, before anything is sent):
             RpcStateError: the agent is shut down.
@@ -208,6 +211,8 @@ class RpcAgent:
         """
         if self.state is AgentState.CLOSED:
             raise not_initialized()
+        if _profiler_on() and not traced:
+            return profiling.call(self, to, func, args, kwargs, timeout, pin, sync)
         peer = to.id
         plain = ser.plain_call(func, args, kwargs, peer)
         if plain is None:

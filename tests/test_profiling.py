@@ -1,0 +1,127 @@
+"""RPC calls in torch's profilers: the caller's event named as torch names it, the
+callee's events in the caller's legacy profile, ranges under torch.profiler."""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+from _cluster import run_world
+
+
+def _ops():
+    with torch.autograd.profiler.record_function("##forward##"):
+        return torch.add(torch.ones(2), 1).relu()
+
+
+def _nested(to):
+    import torchwire.rpc as rpc
+    return rpc.rpc_sync(to, torch.mul, args=(torch.ones(2), 3))
+
+
+def _legacy(rank, world_size):
+    import torchwire.rpc as rpc
+    from torch.autograd.profiler_legacy import profile
+    if rank != 0:
+        return None
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with profile() as p:
+            rpc.rpc_sync("worker1", _ops)
+            rpc.rpc_async("worker1", _nested, args=("worker2",)).wait()
+            rref = rpc.remote("worker2", torch.add, args=(torch.ones(2), 1))
+            rref._get_profiling_future().wait()
+    events = [(e.name, e.node_id, e.is_remote, e.time_range.start, e.time_range.end)
+              for e in p.function_events]
+    averages = {a.key for a in p.key_averages()}
+    return events, averages
+
+
+def test_legacy_profile_has_the_call_and_the_callees_events():
+    events, averages = run_world(_legacy, 3)[0]
+    by_name = {name: (node, remote, start, end) for name, node, remote, start, end in events}
+    sync = "rpc_sync#_ops(worker0 -> worker1)"
+    assert by_name[sync][:2] == (0, False)  # the caller's event: node_id = its rank
+    inner = f"{sync}#remote_op: ##forward##"
+    assert by_name[inner][:2] == (1, True)  # the callee's, under its rank
+    assert by_name[f"{sync}#remote_op: aten::add"][:2] == (1, True)
+    # the callee's events lie within the call's span (one host: one clock)
+    assert by_name[sync][2] <= by_name[inner][2] <= by_name[inner][3] <= by_name[sync][3]
+    outer = "rpc_async#_nested(worker0 -> worker1)"
+    nested = f"{outer}#remote_op: rpc_sync#aten::mul(worker1 -> worker2)"
+    assert by_name[nested][:2] == (1, True)
+    assert by_name[f"{nested}#remote_op: aten::mul"][:2] == (2, True)
+    remote = "rpc_remote#aten::add(worker0 -> worker2)"
+    assert by_name[remote][:2] == (0, False)
+    assert by_name[f"{remote}#remote_op: aten::add"][:2] == (2, True)
+    assert sync in averages and inner in averages
+
+
+def _kineto(rank, world_size):
+    import torchwire.rpc as rpc
+    if rank != 0:
+        return None
+    with torch.profiler.profile() as p:
+        with torch.profiler.record_function("step"):
+            rpc.rpc_sync("worker1", _ops)
+            rpc.rpc_async("worker1", torch.add, args=(torch.ones(1), 1)).wait()
+    return [e.name for e in p.events()]
+
+
+def test_torch_profiler_shows_the_calls():
+    names = run_world(_kineto, 2)[0]
+    assert "rpc_sync#_ops(worker0 -> worker1)" in names
+    assert "rpc_async#aten::add(worker0 -> worker1)" in names
+
+
+def _off(rank, world_size):
+    import torchwire.rpc as rpc
+    from torchwire._agent import profiling
+    if rank != 0:
+        return None
+    # no profiler: the reply is the function's value as is, no events gathered
+    value = rpc.rpc_sync("worker1", _ops)
+    gathered = getattr(profiling._local, "gathered", None)
+    return value.tolist(), gathered is None or not gathered.events
+
+
+def test_no_profiler_no_events():
+    value, nothing = run_world(_off, 2)[0]
+    assert value == [2.0, 2.0] and nothing
+
+
+def _train(rank, world_size):
+    import torchwire.autograd as dist_autograd
+    import torchwire.rpc as rpc
+    from torch.autograd.profiler_legacy import profile
+    from torchwire.optim import DistributedOptimizer
+    if rank != 0:
+        return None
+    w = rpc.remote("worker1", torch.ones, args=(3,), kwargs={"requires_grad": True})
+    local = torch.ones(3, requires_grad=True)
+    opt = DistributedOptimizer(torch.optim.SGD, [w, rpc.RRef(local)], lr=0.1)
+    with torch.profiler.profile() as p:
+        with dist_autograd.context() as ctx:
+            x = rpc.rpc_sync("worker1", torch.mul, args=(local, 2))
+            dist_autograd.backward(ctx, [x.sum()])
+            opt.step(ctx)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with dist_autograd.context() as ctx, profile() as legacy:
+            x = rpc.rpc_sync("worker1", torch.mul, args=(local, 2))
+            dist_autograd.backward(ctx, [x.sum()])
+            opt.step(ctx)
+    return [e.name for e in p.events()], [e.name for e in legacy.function_events]
+
+
+def test_backward_and_optimizer_steps_are_ranges():
+    names, legacy = run_world(_train, 2)[0]
+    for name in ("torch::distributed::autograd::backward", "torchwire::autograd::local_pass",
+                 "torchwire::autograd::send_gradients", "torchwire::autograd::wait",
+                 "torchwire::optim::DistributedOptimizer.step", "torchwire::optim::local_step",
+                 "torchwire::optim::wait"):
+        assert name in names, name
+    # the owner's step, as the callee recorded it
+    assert any(n.startswith("rpc_sync#_local_step(worker0 -> worker1)#remote_op: ")
+               and n.endswith("torchwire::optim::local_step") for n in legacy)

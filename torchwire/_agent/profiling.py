@@ -1,0 +1,317 @@
+"""RPC calls in torch's profiler, named as torch's RPC profiling names them.
+
+The agent checks ``torch.autograd._profiler_enabled()`` once per call; only when a
+profiler runs on the calling thread does anything here run:
+
+* under **torch.profiler** (Kineto), the call is a ``record_function`` range
+  ``rpc_<mode>#<function>(<caller> -> <callee>)`` from the send until the reply has
+  arrived (the future the caller gets completes after the range ends);
+* under the **legacy profiler** (``torch.autograd.profiler_legacy.profile``, the one
+  torch's RPC profiling works with), the callee runs the function under the legacy
+  profiler of its own thread and returns its events with the reply; the caller adds
+  them to its profile, renamed ``<rpc key>#remote_op: <event>``, with the callee's
+  rank as ``node_id`` and ``is_remote`` set, beside the call's own event (whose
+  ``node_id`` is the caller's rank), as torch does.
+
+Adding events to a legacy profile: the profile builds its events in
+``profiler_legacy._parse_legacy_records`` when it exits; :func:`install` wraps that
+function (once, on the first profiled call) so that it also returns the events this
+thread's calls gathered since the profile started (:class:`Gathered`).  Event times
+travel as wall-clock microseconds, the legacy profiler's own clock; workers on one
+host share it (across hosts they are as aligned as the hosts' clocks).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import threading
+import time
+
+import torch
+from torch.autograd import profiler_legacy as _legacy
+from torch.autograd.profiler_util import FunctionEvent
+
+from .future import Deferred, Future
+
+REMOTE_OP = "#remote_op: "  # torch's separator of an RPC key and a remote event's name
+# On internal functions: (mode, what names the call): the index of the user's function
+# among their arguments (rpc.remote's owner-side function), or a name (torch's name of
+# the same internal call)
+PROFILE_AS = "_torchwire_profile_as"
+
+enabled = torch._C._autograd._profiler_enabled  # the one check per call
+_LEGACY = torch._C._profiler.ActiveProfilerType.LEGACY
+_ids = itertools.count(1 << 40)  # event ids of ours: clear of the profiler's handles
+_local = threading.local()
+_installed = False
+_install_lock = threading.Lock()
+
+
+_NO_SCOPE = contextlib.nullcontext()
+
+
+def scope(name: str):
+    """A ``record_function`` range named ``name`` while a profiler runs (a shared
+    no-op context otherwise): for the passes of distributed autograd and the optimizer."""
+    if enabled():
+        return torch.autograd.profiler.record_function(name)
+    return _NO_SCOPE
+
+
+def _wall_us() -> float:
+    return time.time_ns() / 1000.0
+
+
+def func_name(func) -> str:
+    """The function's name in an RPC key: torch's qualified name of a builtin
+    (``aten::add``) or a script function, else its ``__qualname__``."""
+    builtin = torch.jit._builtins._find_builtin(func)
+    if builtin is not None:
+        return str(builtin)
+    if isinstance(func, torch.jit.ScriptFunction):
+        return str(torch._jit_internal._qualified_name(func))
+    return getattr(func, "__qualname__", None) or getattr(func, "__name__", None) or repr(func)
+
+
+def rpc_key(mode: str, name: str, caller: str, callee: str) -> str:
+    """torch's RPC profiling key (``rpc.internal._build_rpc_profiling_key``)."""
+    return f"rpc_{mode}#{name}({caller} -> {callee})"
+
+
+class Gathered:
+    """Events that this thread's profiled calls brought back (absolute wall-clock
+    times), waiting for the thread's legacy profile to take them when it exits."""
+
+    __slots__ = ("events", "lock")
+
+    def __init__(self) -> None:
+        self.events: list[FunctionEvent] = []
+        self.lock = threading.Lock()
+
+    def __repr__(self) -> str:
+        return f"<Gathered {len(self.events)} events>"
+
+    def add(self, events) -> None:
+        with self.lock:
+            self.events.extend(events)
+
+    def take(self) -> list[FunctionEvent]:
+        with self.lock:
+            events, self.events = self.events, []
+        return events
+
+
+def _gathered() -> Gathered:
+    g = getattr(_local, "gathered", None)
+    if g is None:
+        g = _local.gathered = Gathered()
+    return g
+
+
+class Profiled:
+    """A profiled call's reply: the function's value and the callee's events."""
+
+    __slots__ = ("value", "events")
+
+    def __init__(self, value, events) -> None:
+        self.value = value
+        self.events = events
+
+    def __reduce__(self):
+        return Profiled, (self.value, self.events)
+
+
+# ---------------------------------------------------------------------- the caller
+
+
+def call(agent, to, func, args, kwargs, timeout: float, pin, sync: bool):
+    """``agent.call`` with a profiler on: the call as a profiled event; returns the
+    future the caller gets (complete once the call's events are recorded)."""
+    user_func, mode = func, "sync" if sync else "async"
+    spec = getattr(func, PROFILE_AS, None)
+    name = None
+    if spec is not None:
+        mode, which = spec
+        if isinstance(which, int):
+            user_func = args[which]
+        else:
+            name = which
+    if name is None:
+        name = func_name(user_func)
+    key = rpc_key(mode, name, agent.name, to.name)
+    out = Future()
+    if torch._C._autograd._profiler_type() != _LEGACY:
+        # torch.profiler: a range from send to reply, ended on whichever thread
+        # completes the call (Kineto takes the end from any thread)
+        handle = torch.ops.profiler._record_function_enter_new(key, None)
+        raw = agent.call(to, func, args, kwargs, timeout, pin, False, True)
+
+        def ended(f) -> None:
+            torch.ops.profiler._record_function_exit._RecordFunction(handle)
+            _settle(f, out)
+        raw._add_inline_callback(ended)
+        return out
+    gathered = _gathered()
+    start = _wall_us()
+    shapes, memory = getattr(_local, "config", (False, False))
+    wrapped = (name, shapes, memory, func, args, kwargs)
+    raw = agent.call(to, run_profiled, wrapped, None, timeout, pin, False, True)
+
+    def replied(f) -> None:
+        end = _wall_us()
+        events = [FunctionEvent(id=next(_ids), name=key, trace_name=key, thread=0,
+                                start_us=start, end_us=end, node_id=agent.rank,
+                                input_shapes=[], stack=[], is_legacy=True)]
+        try:
+            reply = torch._C.Future.value(f)
+        except Exception:
+            reply = None  # the call failed: its own event only
+        if type(reply) is Profiled:
+            events.extend(_as_remote(reply.events, key, to.id))
+        gathered.add(events)
+        _settle(f, out, True)
+    raw._add_inline_callback(replied)
+    return out
+
+
+def _settle(raw, out, unwrap: bool = False) -> None:
+    try:
+        value = raw.wait()
+    except BaseException as exc:
+        out.set_exception(exc)
+        return
+    if unwrap and type(value) is Profiled:
+        value = value.value
+    out.set_result(value)
+
+
+def _as_remote(events, key: str, callee: int) -> list[FunctionEvent]:
+    """The callee's events as the caller's profile shows them (torch's naming)."""
+    for e in events:
+        e.name = f"{key}{REMOTE_OP}{e.name}"
+        e.trace_name = e.name
+        if e.node_id < 0:  # the callee's own; nested calls' keep their node
+            e.node_id = callee
+        e.is_remote = True
+    return events
+
+
+# ---------------------------------------------------------------------- the callee
+
+
+def run_profiled(name: str, record_shapes: bool, profile_memory: bool, func, args, kwargs):
+    """Callee: run ``func`` under the legacy profiler of this thread (as the caller's
+    profile is set: shapes, memory); reply with its value and the events (those of
+    the calls it made included), as :class:`Profiled`.
+
+    An ``@async_execution`` function, or an internal one that replies later, replies
+    once its future completes: the events of the calls it made then are in too.
+    """
+    outer = getattr(_local, "gathered", None), getattr(_local, "config", None)
+    gathered = _local.gathered = Gathered()  # the calls made from here collect here
+    _local.config = (record_shapes, profile_memory)
+    profiling = _start_legacy(record_shapes, profile_memory)
+    try:
+        if "::" in name:  # a builtin op: its own event is the function's
+            value = func(*(args or ()), **(kwargs or {}))
+        else:  # a range of the function: a function without ops shows too
+            with torch.autograd.profiler.record_function(name):
+                value = func(*(args or ()), **(kwargs or {}))
+    finally:
+        _local.gathered, _local.config = outer
+        events = _stop_legacy() if profiling else []
+    later = value.future if type(value) is Deferred else value \
+        if getattr(func, "_wrapped_async_rpc_function", None) is not None else None
+    if later is None:
+        return Profiled(value, events + gathered.take())
+    if not isinstance(later, torch._C.Future):
+        return value  # not a future after all: the serving layer reports it
+    reply = Future()
+
+    def done(f) -> None:
+        try:
+            result = f.wait()
+        except BaseException as exc:
+            reply.set_exception(exc)
+            return
+        reply.set_result(Profiled(result, events + gathered.take()))
+    torch._C.Future.add_done_callback(later, done)
+    return Deferred(reply)
+
+
+def _start_legacy(record_shapes: bool, profile_memory: bool) -> bool:
+    """Start the legacy profiler on this thread (False: one runs here already)."""
+    if enabled():
+        return False
+    config = torch.autograd.ProfilerConfig(
+        torch.autograd.ProfilerState.CPU, record_shapes, profile_memory, False, False, False,
+        torch._C._profiler._ExperimentalConfig())
+    torch.autograd._enable_profiler_legacy(config)
+    return True
+
+
+def _stop_legacy() -> list[FunctionEvent]:
+    """Stop this thread's legacy profiler; its events, at absolute wall-clock times."""
+    records = torch.autograd._disable_profiler_legacy()
+    base = _profile_start_us(records)
+    events = _parse(records)
+    for e in events:
+        e.time_range.start += base
+        e.time_range.end += base
+    return events
+
+
+def _profile_start_us(records) -> float:
+    for thread in records:
+        for r in thread:
+            if r.name() == "__start_profile":
+                return float(r.start_us())
+    return 0.0
+
+
+# ---------------------------------------------------------------------- the profile
+
+
+_parse = _legacy._parse_legacy_records  # torch's own, before install()
+
+
+def _parse_with_remote(thread_records):
+    """``_parse_legacy_records`` and the events this thread's calls gathered since
+    the profile started, at times relative to its start as the rest."""
+    functions = _parse(thread_records)
+    g = getattr(_local, "gathered", None)
+    if g is None:
+        return functions
+    base = _profile_start_us(thread_records)
+    added = False
+    for e in g.take():
+        if e.time_range.start < base:
+            continue  # from a profile of this thread that ended before
+        e.time_range.start -= base
+        e.time_range.end -= base
+        functions.append(e)
+        added = True
+    if added:
+        functions.sort(key=lambda evt: [evt.time_range.start, -evt.time_range.end])
+    return functions
+
+
+_start_trace = _legacy.profile._start_trace
+
+
+def _start_trace_noting_config(self) -> None:
+    # what the callees of this thread's calls record too: shapes, memory
+    _local.config = (bool(self.record_shapes), bool(self.profile_memory))
+    _start_trace(self)
+
+
+def install() -> None:
+    """Let legacy profiles take the events of calls (once per process, when RPC
+    starts): wrap how a legacy profile starts (to note its settings) and parses."""
+    global _installed
+    with _install_lock:
+        if not _installed:
+            _legacy._parse_legacy_records = _parse_with_remote
+            _legacy.profile._start_trace = _start_trace_noting_config
+            _installed = True
