@@ -65,7 +65,6 @@ from .termination import Termination
 log = logging.getLogger("torchwire")
 
 _K_REQUEST, _F_PLAIN = F.K_REQUEST, F.F_PLAIN
-_profiler_on = profiling.enabled
 
 
 class RpcAgent:
@@ -211,7 +210,7 @@ class RpcAgent:
         """
         if self.state is AgentState.CLOSED:
             raise not_initialized()
-        if _profiler_on() and not traced:
+        if profiling.active() and not traced:
             return profiling.call(self, to, func, args, kwargs, timeout, pin, sync)
         peer = to.id
         plain = ser.plain_call(func, args, kwargs, peer)

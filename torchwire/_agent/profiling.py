@@ -40,7 +40,11 @@ REMOTE_OP = "#remote_op: "  # torch's separator of an RPC key and a remote event
 # the same internal call)
 PROFILE_AS = "_torchwire_profile_as"
 
-enabled = torch._C._autograd._profiler_enabled  # the one check per call
+enabled = torch._C._autograd._profiler_enabled
+# The one check per call, on each side: a profiler on this thread; always while this
+# process is traced for a job-wide trace (torchwire.profiler: the profiler then runs
+# on every thread, which ``enabled`` does not see).
+active = enabled
 _LEGACY = torch._C._profiler.ActiveProfilerType.LEGACY
 _ids = itertools.count(1 << 40)  # event ids of ours: clear of the profiler's handles
 _local = threading.local()
@@ -59,6 +63,17 @@ def scope(name: str):
     return _NO_SCOPE
 
 
+def _always() -> bool:
+    return True
+
+
+def trace_all_threads(on: bool) -> None:
+    """While a profiler runs on every thread of this process (torchwire.profiler):
+    profile every call made and served here (``active``)."""
+    global active
+    active = _always if on else enabled
+
+
 def _wall_us() -> float:
     return time.time_ns() / 1000.0
 
@@ -72,6 +87,26 @@ def func_name(func) -> str:
     if isinstance(func, torch.jit.ScriptFunction):
         return str(torch._jit_internal._qualified_name(func))
     return getattr(func, "__qualname__", None) or getattr(func, "__name__", None) or repr(func)
+
+
+def call_name(func, args) -> tuple[str | None, str]:
+    """``(mode or None, name)`` a call of ``func`` is profiled under (``PROFILE_AS``)."""
+    spec = getattr(func, PROFILE_AS, None)
+    if spec is None:
+        return None, func_name(func)
+    mode, which = spec
+    return mode, func_name(args[which]) if isinstance(which, int) else which
+
+
+def serve_begin(func, args, caller: str, callee: str):
+    """Callee: open the range of a request it runs while a profiler runs (or the
+    process is traced, ``active``); returns its handle for :func:`serve_end`."""
+    key = rpc_key("serve", call_name(func, args)[1], caller, callee)
+    return torch.ops.profiler._record_function_enter_new(key, None)
+
+
+def serve_end(handle) -> None:
+    torch.ops.profiler._record_function_exit._RecordFunction(handle)
 
 
 def rpc_key(mode: str, name: str, caller: str, callee: str) -> str:
@@ -128,18 +163,8 @@ class Profiled:
 def call(agent, to, func, args, kwargs, timeout: float, pin, sync: bool):
     """``agent.call`` with a profiler on: the call as a profiled event; returns the
     future the caller gets (complete once the call's events are recorded)."""
-    user_func, mode = func, "sync" if sync else "async"
-    spec = getattr(func, PROFILE_AS, None)
-    name = None
-    if spec is not None:
-        mode, which = spec
-        if isinstance(which, int):
-            user_func = args[which]
-        else:
-            name = which
-    if name is None:
-        name = func_name(user_func)
-    key = rpc_key(mode, name, agent.name, to.name)
+    mode, name = call_name(func, args)
+    key = rpc_key(mode or ("sync" if sync else "async"), name, agent.name, to.name)
     out = Future()
     if torch._C._autograd._profiler_type() != _LEGACY:
         # torch.profiler: a range from send to reply, ended on whichever thread

@@ -31,6 +31,7 @@ from .._base import threads as _threads
 from .._base.asyncexec import ASYNC_ATTR, check_future
 from .._base.errors import LinkError, ProtocolError, RemoteCallError, SerializationError
 from .._wire import frame as F
+from . import profiling
 from .future import Deferred
 from .inline import InlineScheduler
 
@@ -146,6 +147,9 @@ class Server:
 
     def run(self, conn, rid: int, func, args, kwargs) -> None:
         """Run a decoded request and reply (now, or when its future completes)."""
+        # while a profiler runs, the function's run is a range of it (profiling.py)
+        span = profiling.serve_begin(func, args, self._agent.name_of(conn.peer_rank),
+                                     self._agent.name) if profiling.active() else None
         try:
             if getattr(func, ASYNC_ATTR, None) is not None:
                 fut = func(*(args or ()), **(kwargs or {}))
@@ -169,6 +173,9 @@ class Server:
                                       f"to match any schema: {exc}")
             self.reply_error(conn, rid, exc, tb)
             return
+        finally:
+            if span is not None:
+                profiling.serve_end(span)
         # Release the arguments before replying: an RRef among them sends its
         # deletion before the caller learns the call is over.
         del func, args, kwargs
