@@ -125,3 +125,47 @@ def test_backward_and_optimizer_steps_are_ranges():
     # the owner's step, as the callee recorded it
     assert any(n.startswith("rpc_sync#_local_step(worker0 -> worker1)#remote_op: ")
                and n.endswith("torchwire::optim::local_step") for n in legacy)
+
+
+def _mm(x):
+    return torch.mm(x, x).sum()
+
+
+def _job(rank, world_size, path):
+    import torchwire.rpc as rpc
+    from torchwire.profiler import JobProfile
+    if rank == 0:
+        with JobProfile(path) as job:
+            for _ in range(3):
+                rpc.rpc_sync("worker1", _mm, args=(torch.ones(20, 20),))
+                rpc.rpc_async("worker2", _mm, args=(torch.ones(20, 20),)).wait()
+        result = job.offsets_us
+    else:
+        result = None
+    rpc.api._barrier([f"worker{r}" for r in range(world_size)])
+    return result
+
+
+def test_job_profile_writes_one_stitched_trace(tmp_path):
+    import gzip
+    import json
+    path = str(tmp_path / "job.json.gz")
+    offsets = run_world(lambda r, w: _job(r, w, path), 3)[0]
+    assert set(offsets) == {"worker0", "worker1", "worker2"}
+    assert all(abs(o) < 50_000 for o in offsets.values())  # one host: one clock, about
+    trace = json.load(gzip.open(path))
+    events = trace["traceEvents"]
+    rows = {e["pid"]: e["args"]["name"] for e in events if e.get("name") == "process_name"}
+    assert rows == {0: "worker0", 1: "worker1", 2: "worker2"}
+    calls = [e for e in events if e["ph"] == "X" and e["name"].startswith("rpc_sync#_mm(")]
+    runs = [e for e in events if e["ph"] == "X"
+            and e["name"] == "rpc_serve#_mm(worker0 -> worker1)"]
+    assert len(calls) == 3 and len(runs) == 3 and {e["pid"] for e in runs} == {1}
+    starts = {e["id"]: e for e in events if e["ph"] == "s"}
+    ends = [e for e in events if e["ph"] == "f"]
+    assert len(ends) == 6 and all(starts[e["id"]]["pid"] == 0 for e in ends)
+    for call, run in zip(sorted(calls, key=lambda e: e["ts"]), sorted(runs, key=lambda e: e["ts"])):
+        # aligned clocks: the run lies inside its call
+        assert call["ts"] <= run["ts"] and run["ts"] + run["dur"] <= call["ts"] + call["dur"]
+    assert not any("torchwire.profiler.control" in e.get("name", "") for e in events)
+    assert any(e["ph"] == "X" and e["name"] == "aten::mm" and e["pid"] == 2 for e in events)

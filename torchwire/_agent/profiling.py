@@ -81,6 +81,8 @@ def _wall_us() -> float:
 def func_name(func) -> str:
     """The function's name in an RPC key: torch's qualified name of a builtin
     (``aten::add``) or a script function, else its ``__qualname__``."""
+    if isinstance(func, str):
+        return func  # a method's name (RRef proxies)
     builtin = torch.jit._builtins._find_builtin(func)
     if builtin is not None:
         return str(builtin)
