@@ -10,24 +10,26 @@ import pytest
 import torch
 
 from _cluster import run_world
-from torchwire._agent.metrics import LatencyHistogram, bucket_upper_s
+from torchwire._agent.metrics import LatencyHistogram, bucket_of, bucket_upper_s
 
 
 def test_histogram_percentiles_within_a_bucket():
     h = LatencyHistogram()
     assert h.percentile(50) is None
     for _ in range(98):
-        h.add(100e-6)
-    h.add(0.5)
-    h.add(0.5)
+        h.add(100_000)  # 100 us
+    h.add(500_000_000)
+    h.add(500_000_000)
     p50, p99 = h.percentile(50), h.percentile(99)
-    assert 100e-6 <= p50 <= 100e-6 * 1.19
-    assert 0.5 <= p99 <= 0.5 * 1.19
-    assert len(h.counts) == 160  # fixed size, whatever was added
-    h.add(1e-12)
-    h.add(1e6)
-    assert h.counts[40] == 1 and h.counts[-1] == 1
-    assert bucket_upper_s(40) > 1e-6
+    assert 100e-6 < p50 <= 100e-6 * 1.25
+    assert 0.5 < p99 <= 0.5 * 1.25
+    assert len(h.counts) == 164  # fixed size, whatever was added
+    h.add(3)
+    h.add(10 ** 15)
+    assert h.counts[0] == 1 and h.counts[-1] == 1
+    for ns in (8, 9, 15, 16, 1000, 123_456_789):
+        i = bucket_of(ns)
+        assert bucket_upper_s(i - 1) * 1e9 <= ns < bucket_upper_s(i) * 1e9, ns
 
 
 def _slow(x):

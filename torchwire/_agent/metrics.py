@@ -7,9 +7,10 @@ pays nothing for them.  What the call path does pay, once per reply, timeout or
 failure, is one clock read at send (stored on the pending call) and one histogram
 increment here.
 
-The latency histogram has a fixed size: quarter-octave buckets of nanoseconds
-(bucket ``i`` holds latencies below ``2 ** ((i + 1) / 4)`` ns), from 1 µs to 18 min;
-a percentile is the upper bound of the bucket it falls in (within 19 %).
+The latency histogram has a fixed size: octaves of nanoseconds split in quarters
+(bucket ``4 * b + k`` holds latencies of ``b`` bits whose next two bits are ``k``:
+from ``(4 + k) << (b - 3)`` ns up to ``(5 + k) << (b - 3)``), integer arithmetic
+only; a percentile is the upper bound of the bucket it falls in (within 25 %).
 """
 
 from __future__ import annotations
@@ -17,37 +18,42 @@ from __future__ import annotations
 import math
 import threading
 
-_BUCKETS = 160  # 2 ** (160 / 4) ns = 18.3 min; longer calls land in the last bucket
-_FIRST = 40  # 2 ** (40 / 4) ns = 1 µs: shorter ones land in the first bucket
-_log2 = math.log2
+_BUCKETS = 4 * 41  # 41 bits of nanoseconds: 36 min; longer calls land in the last bucket
+
+
+def bucket_of(ns: int) -> int:
+    """The bucket of a latency of ``ns`` nanoseconds (below 8 ns: the first)."""
+    b = ns.bit_length()
+    if b <= 3:
+        return 0
+    i = (b << 2) | ((ns >> (b - 3)) & 3)
+    return i if i < _BUCKETS else _BUCKETS - 1
 
 
 def bucket_upper_s(i: int) -> float:
     """Upper bound of bucket ``i``, in seconds."""
-    return 2.0 ** ((i + 1) / 4) / 1e9
+    b, k = divmod(i, 4)
+    return ((5 + k) << (b - 3)) / 1e9 if b >= 3 else 8e-9
 
 
 class LatencyHistogram:
     """Counts of call latencies in fixed quarter-octave buckets (not thread-safe: the
     owner's lock guards it)."""
 
-    __slots__ = ("counts", "total", "sum_s")
+    __slots__ = ("counts", "total", "sum_ns")
 
     def __init__(self) -> None:
         self.counts = [0] * _BUCKETS
         self.total = 0
-        self.sum_s = 0.0
+        self.sum_ns = 0
 
     def __repr__(self) -> str:
         return f"<LatencyHistogram n={self.total} p50={self.percentile(50)}>"
 
-    def add(self, seconds: float) -> None:
-        ns = seconds * 1e9
-        i = int(_log2(ns) * 4) if ns > 1.0 else 0
-        i = _FIRST if i < _FIRST else _BUCKETS - 1 if i >= _BUCKETS else i
-        self.counts[i] += 1
+    def add(self, ns: int) -> None:
+        self.counts[bucket_of(ns)] += 1
         self.total += 1
-        self.sum_s += seconds
+        self.sum_ns += ns
 
     def percentile(self, p: float) -> float | None:
         """The ``p``-th percentile in seconds (a bucket's upper bound); None if empty."""
@@ -63,26 +69,42 @@ class LatencyHistogram:
 
 
 class PeerMetrics:
-    """What one peer's calls came to: latencies of replies, errors by kind, timeouts."""
+    """What one peer's calls came to: errors by kind, timeouts, and the latency
+    histograms of the connections its replies came on."""
 
-    __slots__ = ("latency", "errors", "timeouts")
+    __slots__ = ("hists", "errors", "timeouts")
 
     def __init__(self) -> None:
-        self.latency = LatencyHistogram()
+        self.hists: list[LatencyHistogram] = []
         self.errors: dict[str, int] = {}
         self.timeouts = 0
 
     def __repr__(self) -> str:
-        return (f"<PeerMetrics n={self.latency.total} errors={sum(self.errors.values())} "
-                f"timeouts={self.timeouts}>")
+        return (f"<PeerMetrics n={sum(h.total for h in self.hists)} "
+                f"errors={sum(self.errors.values())} timeouts={self.timeouts}>")
+
+    def latency(self) -> LatencyHistogram:
+        """The peer's histograms summed."""
+        total = LatencyHistogram()
+        for h in self.hists:
+            total.counts = [a + b for a, b in zip(total.counts, h.counts)]
+            total.total += h.total
+            total.sum_ns += h.sum_ns
+        return total
 
 
 class CallMetrics:
-    """Per-peer metrics of the calls this worker sent, keyed by rank."""
+    """Per-peer metrics of the calls this worker sent, keyed by rank.
+
+    Thread rule: a reply is completed by the thread reading its connection (one at a
+    time per connection), so each connection's histogram has one writer and its
+    increments take no lock; errors, timeouts and new histograms go under the lock.
+    """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._peers: dict[int, PeerMetrics] = {}
+        self._by_link: dict[int, tuple[int, LatencyHistogram]] = {}  # id(conn) -> (rank, h)
 
     def __repr__(self) -> str:
         return f"<CallMetrics {len(self._peers)} peers>"
@@ -93,17 +115,32 @@ class CallMetrics:
             m = self._peers[rank] = PeerMetrics()
         return m
 
-    def replied(self, rank: int, seconds: float, error: BaseException | None) -> None:
-        """A reply arrived after ``seconds`` (a value, or the remote ``error``)."""
+    def _new_link(self, link: int, rank: int) -> LatencyHistogram:
+        h = LatencyHistogram()
         with self._lock:
-            m = self._peers.get(rank) or self._peer(rank)
-            m.latency.add(seconds)
-            if error is not None:
-                kind = type(error).__name__
-                m.errors[kind] = m.errors.get(kind, 0) + 1
+            self._peer(rank).hists.append(h)
+            self._by_link[link] = (rank, h)  # an id reused by a later connection: its own
+        return h
+
+    def replied(self, link: int, rank: int, ns: int, error: BaseException | None) -> None:
+        """A reply arrived on connection ``link`` (its ``id``) from ``rank``, ``ns``
+        nanoseconds after the send (a value, or the remote ``error``).  Every reply's
+        path: the histogram's add is inlined."""
+        b = ns.bit_length()
+        i = (b << 2) | ((ns >> (b - 3)) & 3) if b > 3 else 0
+        if i >= _BUCKETS:
+            i = _BUCKETS - 1
+        entry = self._by_link.get(link)
+        h = entry[1] if entry is not None and entry[0] == rank else self._new_link(link, rank)
+        h.counts[i] += 1
+        h.total += 1
+        h.sum_ns += ns
+        if error is not None:
+            self.failed(rank, error)
 
     def failed(self, rank: int, error: BaseException, timeout: bool = False) -> None:
-        """A call ended without a reply: its deadline passed, or its peer or link failed."""
+        """A call ended in an error: the remote function's, or without a reply (its
+        deadline passed, or its peer or link failed)."""
         with self._lock:
             m = self._peer(rank)
             kind = type(error).__name__
@@ -116,14 +153,15 @@ class CallMetrics:
         timeouts}}`` for every peer a call went to."""
         out = {}
         with self._lock:
-            for rank, m in self._peers.items():
-                h = m.latency
-                out[rank] = {
-                    "replies": h.total,
-                    "latency_p50_s": h.percentile(50),
-                    "latency_p99_s": h.percentile(99),
-                    "latency_mean_s": h.sum_s / h.total if h.total else None,
-                    "errors": dict(m.errors),
-                    "timeouts": m.timeouts,
-                }
+            peers = [(rank, m.latency(), dict(m.errors), m.timeouts)
+                     for rank, m in self._peers.items()]
+        for rank, h, errors, timeouts in peers:
+            out[rank] = {
+                "replies": h.total,
+                "latency_p50_s": h.percentile(50),
+                "latency_p99_s": h.percentile(99),
+                "latency_mean_s": h.sum_ns / h.total / 1e9 if h.total else None,
+                "errors": errors,
+                "timeouts": timeouts,
+            }
         return out

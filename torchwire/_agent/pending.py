@@ -32,7 +32,7 @@ from .._wire import frame as F
 from .metrics import CallMetrics
 from .timer import DeadlineTimer
 
-_perf = time.perf_counter
+_perf = time.perf_counter_ns
 
 
 class PendingCall:
@@ -140,7 +140,7 @@ class PendingCalls:
             return  # timed out while decoding
         if call.tick is not None:
             self._timer.cancel(rid, call.tick)
-        self.metrics.replied(call.peer, _perf() - call.t0, error)
+        self.metrics.replied(id(call.conn), call.peer, _perf() - call.t0, error)
         if error is not None:
             call.future.set_exception(error)
         else:
