@@ -172,7 +172,11 @@ def call(agent, to, func, args, kwargs, timeout: float, pin, sync: bool):
         # torch.profiler: a range from send to reply, ended on whichever thread
         # completes the call (Kineto takes the end from any thread)
         handle = torch.ops.profiler._record_function_enter_new(key, None)
-        raw = agent.call(to, func, args, kwargs, timeout, pin, False, True)
+        try:
+            raw = agent.call(to, func, args, kwargs, timeout, pin, False, True)
+        except BaseException:
+            torch.ops.profiler._record_function_exit._RecordFunction(handle)
+            raise
 
         def ended(f) -> None:
             torch.ops.profiler._record_function_exit._RecordFunction(handle)

@@ -40,7 +40,10 @@ def _start(record_shapes: bool) -> None:
     with _lock:
         if _running:
             raise RuntimeError(f"{rpc.get_worker_info().name} is already being profiled")
-        config = torch._C._profiler._ExperimentalConfig(profile_all_threads=True)
+        try:
+            config = torch._C._profiler._ExperimentalConfig(profile_all_threads=True)
+        except TypeError:  # a torch without it: the ranges of this thread only
+            config = torch._C._profiler._ExperimentalConfig()
         prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
                                       record_shapes=record_shapes, experimental_config=config)
         prof.start()
@@ -48,7 +51,7 @@ def _start(record_shapes: bool) -> None:
         _running["profile"] = prof
 
 
-def _stop() -> dict:
+def _stop() -> dict[str, Any]:
     """Worker: stop profiling; return ``{"name", "rank", "trace"}`` (the Chrome trace)."""
     with _lock:
         prof = _running.pop("profile", None)
@@ -96,7 +99,7 @@ class JobProfile:
         ...     train_step()
     """
 
-    def __init__(self, path: str, workers: list | None = None,
+    def __init__(self, path: str, workers: list[str | int] | None = None,
                  record_shapes: bool = False) -> None:
         self.path = path
         self._workers = workers
@@ -151,5 +154,5 @@ class JobProfile:
     def __enter__(self) -> JobProfile:
         return self.start()
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.stop()

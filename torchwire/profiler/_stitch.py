@@ -18,6 +18,7 @@ import gzip
 import json
 import re
 from collections import defaultdict
+from typing import Any
 
 _KEY = re.compile(r"^rpc_(\w+)#(.*)\((.*) -> (.*)\)$")
 # the job profile's own calls (_job.py): not part of what was profiled
@@ -33,7 +34,7 @@ def clock_offset(samples: list[tuple[int, int, int]]) -> tuple[float, float]:
     return (remote - (t0 + t1) / 2) / 1000.0, (t1 - t0) / 1000.0
 
 
-def stitch(traces: list[dict], offsets_us: dict[str, float]) -> dict:
+def stitch(traces: list[dict[str, Any]], offsets_us: dict[str, float]) -> dict[str, Any]:
     """One Chrome trace from ``traces`` (``{"name", "rank", "trace"}`` per worker, the
     trace a torch.profiler Chrome export) and each worker's clock offset (µs)."""
     moved = []
@@ -65,9 +66,10 @@ def stitch(traces: list[dict], offsets_us: dict[str, float]) -> dict:
                           "workers": [w["name"] for w in traces]}}
 
 
-def flows(events: list[dict]) -> list[dict]:
+def flows(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Flow arrows (``ph`` s/f) from each call's range to its run on the callee."""
-    calls, runs = defaultdict(list), defaultdict(list)
+    calls: defaultdict[tuple[str, ...], list[dict[str, Any]]] = defaultdict(list)
+    runs: defaultdict[tuple[str, ...], list[dict[str, Any]]] = defaultdict(list)
     for e in events:
         if e.get("ph") != "X":
             continue
@@ -91,7 +93,7 @@ def flows(events: list[dict]) -> list[dict]:
     return out
 
 
-def write(trace: dict, path: str) -> None:
+def write(trace: dict[str, Any], path: str) -> None:
     """Write ``trace`` as JSON, gzipped when ``path`` ends in ``.gz``."""
     data = json.dumps(trace).encode()
     if path.endswith(".gz"):
