@@ -66,13 +66,20 @@ def _kineto(rank, world_size):
         with torch.profiler.record_function("step"):
             rpc.rpc_sync("worker1", _ops)
             rpc.rpc_async("worker1", torch.add, args=(torch.ones(1), 1)).wait()
-    return [e.name for e in p.events()]
+    events = [(e.name, e.node_id, e.is_remote, e.time_range.start, e.time_range.end)
+              for e in p.events()]
+    return events, {a.key for a in p.key_averages()}
 
 
-def test_torch_profiler_shows_the_calls():
-    names = run_world(_kineto, 2)[0]
-    assert "rpc_sync#_ops(worker0 -> worker1)" in names
-    assert "rpc_async#aten::add(worker0 -> worker1)" in names
+def test_torch_profiler_shows_the_calls_and_the_callees_events():
+    events, averages = run_world(_kineto, 2)[0]
+    by_name = {name: (node, remote, start, end) for name, node, remote, start, end in events}
+    sync = "rpc_sync#_ops(worker0 -> worker1)"
+    assert sync in by_name and "rpc_async#aten::add(worker0 -> worker1)" in by_name
+    inner = f"{sync}#remote_op: ##forward##"
+    assert by_name[inner][:2] == (1, True)
+    assert by_name[sync][2] <= by_name[inner][2] <= by_name[inner][3] <= by_name[sync][3]
+    assert "rpc_async#aten::add(worker0 -> worker1)#remote_op: aten::add" in averages
 
 
 def _off(rank, world_size):

@@ -6,16 +6,18 @@ profiler runs on the calling thread does anything here run:
 * under **torch.profiler** (Kineto), the call is a ``record_function`` range
   ``rpc_<mode>#<function>(<caller> -> <callee>)`` from the send until the reply has
   arrived (the future the caller gets completes after the range ends);
-* under the **legacy profiler** (``torch.autograd.profiler_legacy.profile``, the one
-  torch's RPC profiling works with), the callee runs the function under the legacy
-  profiler of its own thread and returns its events with the reply; the caller adds
-  them to its profile, renamed ``<rpc key>#remote_op: <event>``, with the callee's
-  rank as ``node_id`` and ``is_remote`` set, beside the call's own event (whose
-  ``node_id`` is the caller's rank), as torch does.
+* under either profiler (Kineto or the **legacy profiler**,
+  ``torch.autograd.profiler_legacy.profile``, the one torch's RPC profiling works
+  with), the callee runs the function under the legacy profiler of its own thread
+  and returns its events with the reply; the caller adds them to its profile,
+  renamed ``<rpc key>#remote_op: <event>``, with the callee's rank as ``node_id``
+  and ``is_remote`` set, as torch does; under the legacy profiler the call's own
+  event has the caller's rank as ``node_id``.
 
-Adding events to a legacy profile: the profile builds its events in
-``profiler_legacy._parse_legacy_records`` when it exits; :func:`install` wraps that
-function (once, on the first profiled call) so that it also returns the events this
+Adding events to a profile: a legacy profile builds its events in
+``profiler_legacy._parse_legacy_records`` when it exits, torch.profiler in
+``profile._parse_kineto_results`` when they are first asked for; :func:`install`
+wraps both (once, when RPC starts) so that they also return the events this
 thread's calls gathered since the profile started (:class:`Gathered`).  Event times
 travel as wall-clock microseconds, the legacy profiler's own clock; workers on one
 host share it (across hosts they are as aligned as the hosts' clocks).
@@ -30,6 +32,7 @@ import time
 
 import torch
 from torch.autograd import profiler_legacy as _legacy
+from torch.autograd.profiler import profile as _kineto_profile
 from torch.autograd.profiler_util import FunctionEvent
 
 from .future import Deferred, Future
@@ -170,17 +173,32 @@ def call(agent, to, func, args, kwargs, timeout: float, pin, sync: bool):
     out = Future()
     if torch._C._autograd._profiler_type() != _LEGACY:
         # torch.profiler: a range from send to reply, ended on whichever thread
-        # completes the call (Kineto takes the end from any thread)
+        # completes the call (Kineto takes the end from any thread); unless this is a
+        # job trace (which profiles the callee itself), the callee's events come back
+        # as under the legacy profiler
+        ship = active is enabled and enabled()
         handle = torch.ops.profiler._record_function_enter_new(key, None)
         try:
-            raw = agent.call(to, func, args, kwargs, timeout, pin, False, True)
+            if ship:
+                gathered = _gathered()
+                raw = agent.call(to, run_profiled, (name, False, False, func, args, kwargs),
+                                 None, timeout, pin, False, True)
+            else:
+                raw = agent.call(to, func, args, kwargs, timeout, pin, False, True)
         except BaseException:
             torch.ops.profiler._record_function_exit._RecordFunction(handle)
             raise
 
         def ended(f) -> None:
             torch.ops.profiler._record_function_exit._RecordFunction(handle)
-            _settle(f, out)
+            if ship:
+                try:
+                    reply = torch._C.Future.value(f)
+                except Exception:
+                    reply = None
+                if type(reply) is Profiled:
+                    gathered.add(_as_remote(reply.events, key, to.id))
+            _settle(f, out, ship)
         raw._add_inline_callback(ended)
         return out
     gathered = _gathered()
@@ -307,25 +325,37 @@ def _profile_start_us(records) -> float:
 _parse = _legacy._parse_legacy_records  # torch's own, before install()
 
 
-def _parse_with_remote(thread_records):
-    """``_parse_legacy_records`` and the events this thread's calls gathered since
-    the profile started, at times relative to its start as the rest."""
-    functions = _parse(thread_records)
+def _with_gathered(functions: list, start_us: float) -> list:
+    """``functions`` and the events this thread's calls gathered since ``start_us``
+    (the profile's start, wall clock), at times relative to it as the rest."""
     g = getattr(_local, "gathered", None)
     if g is None:
         return functions
-    base = _profile_start_us(thread_records)
     added = False
     for e in g.take():
-        if e.time_range.start < base:
+        if e.time_range.start < start_us:
             continue  # from a profile of this thread that ended before
-        e.time_range.start -= base
-        e.time_range.end -= base
+        e.time_range.start -= start_us
+        e.time_range.end -= start_us
         functions.append(e)
         added = True
     if added:
         functions.sort(key=lambda evt: [evt.time_range.start, -evt.time_range.end])
     return functions
+
+
+def _parse_with_remote(thread_records):
+    """``_parse_legacy_records``, and the events gathered by this thread's calls."""
+    return _with_gathered(_parse(thread_records), _profile_start_us(thread_records))
+
+
+_parse_kineto = _kineto_profile._parse_kineto_results
+
+
+def _parse_kineto_with_remote(self, result, *args, **kwargs):
+    """torch.profiler's parse, and the events gathered by this thread's calls."""
+    return _with_gathered(_parse_kineto(self, result, *args, **kwargs),
+                          result.trace_start_ns() / 1000.0)
 
 
 _start_trace = _legacy.profile._start_trace
@@ -344,5 +374,6 @@ def install() -> None:
     with _install_lock:
         if not _installed:
             _legacy._parse_legacy_records = _parse_with_remote
+            _kineto_profile._parse_kineto_results = _parse_kineto_with_remote
             _legacy.profile._start_trace = _start_trace_noting_config
             _installed = True
