@@ -174,5 +174,7 @@ def test_job_profile_writes_one_stitched_trace(tmp_path):
     for call, run in zip(sorted(calls, key=lambda e: e["ts"]), sorted(runs, key=lambda e: e["ts"])):
         # aligned clocks: the run lies inside its call
         assert call["ts"] <= run["ts"] and run["ts"] + run["dur"] <= call["ts"] + call["dur"]
+    for call in calls:  # 20x20 float32 out, a 0-dim tensor back, plus the messages
+        assert call["args"]["bytes_sent"] > 1600 and call["args"]["bytes_received"] >= 4
     assert not any("torchwire.profiler.control" in e.get("name", "") for e in events)
     assert any(e["ph"] == "X" and e["name"] == "aten::mm" and e["pid"] == 2 for e in events)

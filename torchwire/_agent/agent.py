@@ -196,13 +196,14 @@ class RpcAgent:
     # ------------------------------------------------------------------ calls
 
     def call(self, to: WorkerInfo, func, args, kwargs, timeout: float, pin=None,
-             sync: bool = False, traced: bool = False):
+             sync: bool = False, traced=None):
         """Send a request; returns the future of its reply.
 
         ``pin``: an object kept alive until the reply arrives (or the call fails).
         ``sync``: the caller waits for the reply at once: a :class:`SyncReply` instead
         of a future (only ``wait()`` and ``done()``).  While a profiler runs, the call
-        is an event of it (``profiling.py``; ``traced``: it is already).
+        is an event of it (``profiling.py``; ``traced``: it is, this is its
+        ``profiling.Probe``, told the sizes of the request and of its reply).
 
         Raises (on the caller, before anything is sent):
             RpcStateError: the agent is shut down.
@@ -210,7 +211,7 @@ class RpcAgent:
         """
         if self.state is AgentState.CLOSED:
             raise not_initialized()
-        if profiling.active() and not traced:
+        if traced is None and profiling.active():
             return profiling.call(self, to, func, args, kwargs, timeout, pin, sync)
         peer = to.id
         plain = ser.plain_call(func, args, kwargs, peer)
@@ -243,8 +244,10 @@ class RpcAgent:
             fut.set_exception(exc)
             return fut
         # ``sent`` rides along: it pins what must stay alive until the reply (RRefs)
+        if traced is not None:
+            traced.bytes_out = size
         rid = self.pending.add(fut, peer, conn, timeout, func,
-                               sent if pin is None else (sent, pin), deadline)
+                               sent if pin is None else (sent, pin), deadline, traced)
         try:
             conn.send_frame(_K_REQUEST, flags, rid, payload, tensors, deadline)
         except (LinkError, RpcTimeoutError) as exc:

@@ -38,7 +38,7 @@ _perf = time.perf_counter_ns
 class PendingCall:
     """One call waiting for its reply."""
 
-    __slots__ = ("future", "tick", "peer", "conn", "timeout", "func", "pin", "t0")
+    __slots__ = ("future", "tick", "peer", "conn", "timeout", "func", "pin", "t0", "probe")
 
     def __init__(self, future, peer: int, conn, timeout: float, func, pin) -> None:
         self.future = future  # a Future, or a SyncReply for a caller that waits at once
@@ -49,6 +49,7 @@ class PendingCall:
         self.func = func  # what it calls, for the timeout's message
         self.pin = pin  # kept alive until the call ends (what pickling pinned, RRefs)
         self.t0 = _perf()  # when it was sent, for its latency (metrics.py)
+        self.probe = None  # a profiled call's Probe: told the reply's size
 
     def __repr__(self) -> str:
         return f"<PendingCall to rank {self.peer}: {func_name(self.func)}>"
@@ -79,7 +80,7 @@ class PendingCalls:
         return len(self._table)
 
     def add(self, future, peer: int, conn, timeout: float, func, pin,
-            deadline: float | None = None) -> int:
+            deadline: float | None = None, probe=None) -> int:
         """Store a call (before it is sent); returns its request id.  Its deadline is
         ``deadline`` if given (the call's start + ``timeout``: connecting counted), else
         ``timeout`` from now (``timeout`` <= 0: none)."""
@@ -88,6 +89,7 @@ class PendingCalls:
         call = _new(PendingCall)
         call.future, call.tick, call.peer, call.conn = future, None, peer, conn
         call.timeout, call.func, call.pin, call.t0 = timeout, func, pin, _perf()
+        call.probe = probe
         self._table[rid] = call
         if deadline is not None:
             call.tick = self._timer.add(rid, deadline)
@@ -122,6 +124,8 @@ class PendingCalls:
         call = self._table.get(rid)
         if call is None:
             return  # reply to a call that already timed out: dropped quietly
+        if call.probe is not None:
+            call.probe.replied(payload, tensors)
         if flags & F.F_ERROR:
             value, error = None, ser.loads_exception(payload)
         elif flags & F.F_PLAIN:

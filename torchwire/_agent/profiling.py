@@ -72,9 +72,43 @@ def _always() -> bool:
 
 def trace_all_threads(on: bool) -> None:
     """While a profiler runs on every thread of this process (torchwire.profiler):
-    profile every call made and served here (``active``)."""
+    profile every call made and served here (``active``), and note their sizes."""
     global active
     active = _always if on else enabled
+    if on:
+        _job_calls.clear()
+
+
+class Probe:
+    """A profiled call's sizes in bytes: the request's (payload and tensors, set by
+    the agent) and the reply's (set by the pending calls when it arrives)."""
+
+    __slots__ = ("key", "bytes_out", "bytes_in")
+
+    def __init__(self, key: str) -> None:
+        self.key = key
+        self.bytes_out = 0
+        self.bytes_in = None
+
+    def __repr__(self) -> str:
+        return f"<Probe {self.key} out={self.bytes_out} in={self.bytes_in}>"
+
+    def replied(self, payload, tensors) -> None:
+        n = len(payload)
+        for t in tensors:
+            n += t.nbytes if hasattr(t, "nbytes") else len(t)
+        self.bytes_in = n
+
+
+_job_calls: list[Probe] = []  # while traced for a job trace: every call made, in order
+
+
+def take_job_calls() -> list[tuple[str, int, int | None]]:
+    """The calls made while traced: ``(key, bytes sent, bytes received)`` in the order
+    they started (``torchwire.profiler`` puts them on the calls' ranges)."""
+    calls = [(p.key, p.bytes_out, p.bytes_in) for p in _job_calls]
+    _job_calls.clear()
+    return calls
 
 
 def _wall_us() -> float:
@@ -177,14 +211,17 @@ def call(agent, to, func, args, kwargs, timeout: float, pin, sync: bool):
         # job trace (which profiles the callee itself), the callee's events come back
         # as under the legacy profiler
         ship = active is enabled and enabled()
+        probe = Probe(key)
+        if active is _always:
+            _job_calls.append(probe)
         handle = torch.ops.profiler._record_function_enter_new(key, None)
         try:
             if ship:
                 gathered = _gathered()
                 raw = agent.call(to, run_profiled, (name, False, False, func, args, kwargs),
-                                 None, timeout, pin, False, True)
+                                 None, timeout, pin, False, probe)
             else:
-                raw = agent.call(to, func, args, kwargs, timeout, pin, False, True)
+                raw = agent.call(to, func, args, kwargs, timeout, pin, False, probe)
         except BaseException:
             torch.ops.profiler._record_function_exit._RecordFunction(handle)
             raise
@@ -205,7 +242,7 @@ def call(agent, to, func, args, kwargs, timeout: float, pin, sync: bool):
     start = _wall_us()
     shapes, memory = getattr(_local, "config", (False, False))
     wrapped = (name, shapes, memory, func, args, kwargs)
-    raw = agent.call(to, run_profiled, wrapped, None, timeout, pin, False, True)
+    raw = agent.call(to, run_profiled, wrapped, None, timeout, pin, False, Probe(key))
 
     def replied(f) -> None:
         end = _wall_us()

@@ -52,13 +52,15 @@ def _start(record_shapes: bool) -> None:
 
 
 def _stop() -> dict[str, Any]:
-    """Worker: stop profiling; return ``{"name", "rank", "trace"}`` (the Chrome trace)."""
+    """Worker: stop profiling; return ``{"name", "rank", "trace", "calls"}`` (the
+    Chrome trace; the calls' keys and sizes, ``profiling.take_job_calls``)."""
     with _lock:
         prof = _running.pop("profile", None)
         profiling.trace_all_threads(False)
     me = rpc.get_worker_info()
+    calls = profiling.take_job_calls()
     if prof is None:
-        return {"name": me.name, "rank": me.id, "trace": {}}
+        return {"name": me.name, "rank": me.id, "trace": {}, "calls": calls}
     prof.stop()
     fd, path = tempfile.mkstemp(prefix="torchwire-trace-", suffix=".json")
     os.close(fd)
@@ -68,7 +70,7 @@ def _stop() -> dict[str, Any]:
             trace = json.load(f)
     finally:
         os.unlink(path)
-    return {"name": me.name, "rank": me.id, "trace": trace}
+    return {"name": me.name, "rank": me.id, "trace": trace, "calls": calls}
 
 
 def _clock() -> int:

@@ -39,6 +39,7 @@ def stitch(traces: list[dict[str, Any]], offsets_us: dict[str, float]) -> dict[s
     trace a torch.profiler Chrome export) and each worker's clock offset (µs)."""
     moved = []
     for w in traces:
+        mine = []
         base = w["trace"].get("baseTimeNanoseconds", 0) / 1000.0 - offsets_us.get(w["name"], 0.0)
         for e in w["trace"].get("traceEvents", []):
             if "ts" not in e or e.get("ph") not in ("X", "i", "M"):
@@ -51,6 +52,8 @@ def stitch(traces: list[dict[str, Any]], offsets_us: dict[str, float]) -> dict[s
                 continue
             e = dict(e, pid=w["rank"], ts=e["ts"] + base)
             moved.append(e)
+            mine.append(e)
+        _add_sizes(mine, w.get("calls", ()))
     zero = min((e["ts"] for e in moved if e["ph"] != "M"), default=0.0)
     for e in moved:
         e["ts"] = max(0.0, e["ts"] - zero)
@@ -64,6 +67,22 @@ def stitch(traces: list[dict[str, Any]], offsets_us: dict[str, float]) -> dict[s
             "otherData": {"torchwire": "job trace",
                           "clock_offsets_us": offsets_us,
                           "workers": [w["name"] for w in traces]}}
+
+
+def _add_sizes(events: list[dict[str, Any]], calls) -> None:
+    """Put each call's sizes on its range (``args``): the k-th range of a key on this
+    worker is the k-th call of that key it started."""
+    sizes: defaultdict[str, list[tuple[int, int | None]]] = defaultdict(list)
+    for key, out, back in calls:
+        sizes[key].append((out, back))
+    seen: defaultdict[str, int] = defaultdict(int)
+    for e in sorted((e for e in events if e.get("ph") == "X" and e.get("name") in sizes),
+                    key=lambda e: e["ts"]):
+        k = seen[e["name"]]
+        seen[e["name"]] += 1
+        if k < len(sizes[e["name"]]):
+            out, back = sizes[e["name"]][k]
+            e["args"] = dict(e.get("args") or {}, bytes_sent=out, bytes_received=back)
 
 
 def flows(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
