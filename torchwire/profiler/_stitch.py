@@ -18,6 +18,7 @@ import gzip
 import json
 import re
 from collections import defaultdict
+from collections.abc import Iterable
 from typing import Any
 
 _KEY = re.compile(r"^rpc_(\w+)#(.*)\((.*) -> (.*)\)$")
@@ -69,7 +70,8 @@ def stitch(traces: list[dict[str, Any]], offsets_us: dict[str, float]) -> dict[s
                           "workers": [w["name"] for w in traces]}}
 
 
-def _add_sizes(events: list[dict[str, Any]], calls) -> None:
+def _add_sizes(events: list[dict[str, Any]],
+               calls: Iterable[tuple[str, int, int | None]]) -> None:
     """Put each call's sizes on its range (``args``): the k-th range of a key on this
     worker is the k-th call of that key it started."""
     sizes: defaultdict[str, list[tuple[int, int | None]]] = defaultdict(list)
