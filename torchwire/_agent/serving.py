@@ -147,9 +147,9 @@ class Server:
 
     def run(self, conn, rid: int, func, args, kwargs) -> None:
         """Run a decoded request and reply (now, or when its future completes)."""
-        # while a profiler runs, the function's run is a range of it (profiling.py)
+        # in a job trace, the function's run is a range of it (profiling.py)
         span = profiling.serve_begin(func, args, self._agent.name_of(conn.peer_rank),
-                                     self._agent.name) if profiling.active() else None
+                                     self._agent.name) if profiling.traced else None
         try:
             if getattr(func, ASYNC_ATTR, None) is not None:
                 fut = func(*(args or ()), **(kwargs or {}))
