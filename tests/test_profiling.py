@@ -178,3 +178,18 @@ def test_job_profile_writes_one_stitched_trace(tmp_path):
         assert call["args"]["bytes_sent"] > 1600 and call["args"]["bytes_received"] >= 4
     assert not any("torchwire.profiler.control" in e.get("name", "") for e in events)
     assert any(e["ph"] == "X" and e["name"] == "aten::mm" and e["pid"] == 2 for e in events)
+
+
+def _recv_node(rank, world_size):
+    import torchwire.autograd as dist_autograd
+    import torchwire.rpc as rpc
+    if rank != 0:
+        return None
+    with dist_autograd.context():
+        t = torch.ones(2, requires_grad=True)
+        y = rpc.rpc_sync("worker1", torch.mul, args=(t, 2))
+        return y.grad_fn.name()
+
+
+def test_a_received_tensor_has_torchs_node_name():
+    assert run_world(_recv_node, 2)[0] == "RecvRpcBackward"
