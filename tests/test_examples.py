@@ -91,3 +91,14 @@ def test_a_missing_examples_extra_gives_a_one_line_hint(tmp_path):
     assert out.stderr.strip().splitlines() == [
         "torchwire.examples needs the examples extra (missing: gymnasium): "
         "pip install 'torchwire[examples]'"]
+
+
+def test_profile_flag_writes_a_stitched_trace(tmp_path):
+    import gzip
+    trace_path = tmp_path / "trace.json.gz"
+    _, out = run_example("parameter_server", tmp_path, "--world-size", "3", "--steps", "20",
+                         "--profile", str(trace_path), "--profile-steps", "3")
+    assert f"stitched trace of 3 workers (ps, trainer1, trainer2): {trace_path}" in out
+    events = json.load(gzip.open(trace_path))["traceEvents"]
+    assert {e["pid"] for e in events} == {0, 1, 2}
+    assert sum(e["ph"] == "s" for e in events) >= 6  # 3 steps of 2 trainers, arrows

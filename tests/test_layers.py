@@ -33,6 +33,7 @@ LAYERS = [
     (6, "public-autograd", ["torchwire.autograd"]),
     (7, "optim", ["torchwire.optim"]),
     (7, "nn", ["torchwire.nn"]),
+    (7, "profiler", ["torchwire.profiler"]),
     (8, "examples", ["torchwire.examples", "torchwire.demo"]),
     (8, "patch", ["torchwire.patch"]),
 ]

@@ -14,6 +14,8 @@
 ``pool.py``         the threads that run user functions and callbacks
 ``coroutines.py``   the event loop that runs ``async def`` functions
 ``counters.py``     requests sent and received, for stats and termination
+``metrics.py``      per-peer latency histograms, errors and timeouts of calls
+``report.py``       ``stats()``, torch's ``get_metrics()``/``get_debug_info()``
 ==================  ==========================================================
 
 Threads: a reader per connection (I/O: decodes frames, completes pending calls,
@@ -47,7 +49,6 @@ from .._base.options import DEFAULT_HEARTBEAT_INTERVAL, DEFAULT_HEARTBEAT_TIMEOU
 from .._base.worker_info import WorkerInfo
 from .._base.worker_record import WorkerRecord
 from .._wire import frame as F
-from .._wire.channels import segments
 from .._wire.listener import host_identity
 from .coroutines import CoroutineRunner
 from .counters import Counters
@@ -57,6 +58,7 @@ from .liveness import PeerHealth
 from .names import MessageLimits, NameTable
 from .pending import PendingCalls
 from .plugins import AgentPlugin
+from . import profiling, prometheus, report
 from .pool import WorkerPool
 from .serving import Server
 from .state import AgentState
@@ -95,6 +97,7 @@ class RpcAgent:
         self.max_message_size = int(options.max_message_size)
         self.state = AgentState.RUNNING
         self.membership = None  # a dynamic group's GroupMembership
+        self.metrics_endpoint = None  # the Prometheus endpoint, when asked for
         self._plugins: list[AgentPlugin] = []
         self.names = NameTable(records)
         self.limits = MessageLimits(self.max_message_size, self.names)
@@ -109,6 +112,7 @@ class RpcAgent:
         self.server = Server(self)
         self.termination = Termination(self)
         self._share_host()
+        profiling.install()
 
     def __repr__(self) -> str:
         world = self.world_size if self.world_size is not None else \
@@ -116,31 +120,18 @@ class RpcAgent:
         return (f"<RpcAgent {self.name} rank={self.rank}/{world} state={self.state.value} "
                 f"pending={len(self.pending)} {self.links!r}>")
 
-    def stats(self) -> dict:
-        """Counters for monitoring and the demo: calls and bytes, per direction."""
-        conns = self.links.all()
-        c = self.counters
-        return {
-            "name": self.name,
-            "calls_sent": c.sent,
-            "calls_served": c.received,
-            "pending": len(self.pending),
-            "replies_sent": c.replies,
-            # replies an I/O thread wrote itself, without a pool hop (serving.py)
-            "replies_in_place": c.replies_in_place,
-            "connections": len(conns),
-            "bytes_out": sum(c.bytes_out for c in conns),
-            "bytes_in": sum(c.bytes_in for c in conns),
-            "transports": sorted({c.transport for c in conns}),
-            "channels": sorted({"shm" if c.channels.sends("shm") else "cma"
-                                if c.channels.sends("cma") else "socket" for c in conns}),
-            "shm": segments.stats(),
-        }
+    # rpc.stats(), and torch's agent metrics and debug info under torch's keys
+    stats, get_metrics, get_debug_info = report.stats, report.get_metrics, report.get_debug_info
 
     # ------------------------------------------------------------------ set-up
 
     def start(self) -> None:
-        """Serve: accept connections, start the liveness monitor."""
+        """Serve: accept connections, start the liveness monitor and (if asked for) the
+        Prometheus endpoint (``prometheus.MetricsEndpoint``: its errors)."""
+        port = prometheus.wanted_port(self.options, self.rank)
+        if port is not None:
+            self.metrics_endpoint = prometheus.MetricsEndpoint(
+                self, port, getattr(self.options, "metrics_addr", None) or "127.0.0.1")
         self.links.start()
         self.health.start()
 
@@ -206,12 +197,14 @@ class RpcAgent:
     # ------------------------------------------------------------------ calls
 
     def call(self, to: WorkerInfo, func, args, kwargs, timeout: float, pin=None,
-             sync: bool = False):
+             sync: bool = False, traced=None):
         """Send a request; returns the future of its reply.
 
         ``pin``: an object kept alive until the reply arrives (or the call fails).
         ``sync``: the caller waits for the reply at once: a :class:`SyncReply` instead
-        of a future (only ``wait()`` and ``done()``).
+        of a future (only ``wait()`` and ``done()``).  While a profiler runs, the call
+        is an event of it (``profiling.py``; ``traced``: it is, this is its
+        ``profiling.Probe``, told the sizes of the request and of its reply).
 
         Raises (on the caller, before anything is sent):
             RpcStateError: the agent is shut down.
@@ -219,6 +212,8 @@ class RpcAgent:
         """
         if self.state is AgentState.CLOSED:
             raise not_initialized()
+        if traced is None and profiling.active():
+            return profiling.call(self, to, func, args, kwargs, timeout, pin, sync)
         peer = to.id
         plain = ser.plain_call(func, args, kwargs, peer)
         if plain is None:
@@ -246,11 +241,14 @@ class RpcAgent:
                 sent.abort()
             if isinstance(exc, RpcTimeoutError):
                 exc = self.pending.timeout_error(peer, timeout, func, str(exc))
+            self.pending.metrics.failed(peer, exc, isinstance(exc, RpcTimeoutError))
             fut.set_exception(exc)
             return fut
         # ``sent`` rides along: it pins what must stay alive until the reply (RRefs)
+        if traced is not None:
+            traced.bytes_out = size
         rid = self.pending.add(fut, peer, conn, timeout, func,
-                               sent if pin is None else (sent, pin), deadline)
+                               sent if pin is None else (sent, pin), deadline, traced)
         try:
             conn.send_frame(_K_REQUEST, flags, rid, payload, tensors, deadline)
         except (LinkError, RpcTimeoutError) as exc:
@@ -454,6 +452,8 @@ class RpcAgent:
                 return
 
     def _close_local(self) -> None:
+        if self.metrics_endpoint is not None:
+            self.metrics_endpoint.close()
         self.links.close_all(self._mark_closed)
         self.pending.stop()
         self.health.stop()

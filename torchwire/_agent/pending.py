@@ -29,13 +29,16 @@ import time
 from .. import _serialization as ser
 from .._base.errors import ProtocolError, RpcTimeoutError, SerializationError
 from .._wire import frame as F
+from .metrics import CallMetrics
 from .timer import DeadlineTimer
+
+_perf = time.perf_counter_ns
 
 
 class PendingCall:
     """One call waiting for its reply."""
 
-    __slots__ = ("future", "tick", "peer", "conn", "timeout", "func", "pin")
+    __slots__ = ("future", "tick", "peer", "conn", "timeout", "func", "pin", "t0", "probe")
 
     def __init__(self, future, peer: int, conn, timeout: float, func, pin) -> None:
         self.future = future  # a Future, or a SyncReply for a caller that waits at once
@@ -45,6 +48,8 @@ class PendingCall:
         self.timeout = timeout  # seconds, for the timeout's message
         self.func = func  # what it calls, for the timeout's message
         self.pin = pin  # kept alive until the call ends (what pickling pinned, RRefs)
+        self.t0 = _perf()  # when it was sent, for its latency (metrics.py)
+        self.probe = None  # a profiled call's Probe: told the reply's size
 
     def __repr__(self) -> str:
         return f"<PendingCall to rank {self.peer}: {func_name(self.func)}>"
@@ -55,10 +60,13 @@ class PendingCalls:
 
     Args:
         name_of: ``name_of(rank)``, a worker's name for error messages.
+        metrics: the per-peer :class:`~.metrics.CallMetrics` every ended call is
+            counted in (latency of replies, errors, timeouts).
     """
 
-    def __init__(self, name_of) -> None:
+    def __init__(self, name_of, metrics: CallMetrics | None = None) -> None:
         self._name_of = name_of
+        self.metrics = metrics if metrics is not None else CallMetrics()
         self._table: dict[int, PendingCall] = {}
         self._rids = itertools.count(1)
         self._timer = DeadlineTimer(self._expire)
@@ -72,7 +80,7 @@ class PendingCalls:
         return len(self._table)
 
     def add(self, future, peer: int, conn, timeout: float, func, pin,
-            deadline: float | None = None) -> int:
+            deadline: float | None = None, probe=None) -> int:
         """Store a call (before it is sent); returns its request id.  Its deadline is
         ``deadline`` if given (the call's start + ``timeout``: connecting counted), else
         ``timeout`` from now (``timeout`` <= 0: none)."""
@@ -80,7 +88,8 @@ class PendingCalls:
         # PendingCall(...) without its __init__: a Python call less on every call's path
         call = _new(PendingCall)
         call.future, call.tick, call.peer, call.conn = future, None, peer, conn
-        call.timeout, call.func, call.pin = timeout, func, pin
+        call.timeout, call.func, call.pin, call.t0 = timeout, func, pin, _perf()
+        call.probe = probe
         self._table[rid] = call
         if deadline is not None:
             call.tick = self._timer.add(rid, deadline)
@@ -95,6 +104,7 @@ class PendingCalls:
             return
         if call.tick is not None:
             self._timer.cancel(rid, call.tick)
+        self.metrics.failed(call.peer, exc)
         call.future.set_exception(exc)
         self._note_idle()
 
@@ -114,6 +124,8 @@ class PendingCalls:
         call = self._table.get(rid)
         if call is None:
             return  # reply to a call that already timed out: dropped quietly
+        if call.probe is not None:
+            call.probe.replied(payload, tensors)
         if flags & F.F_ERROR:
             value, error = None, ser.loads_exception(payload)
         elif flags & F.F_PLAIN:
@@ -132,6 +144,7 @@ class PendingCalls:
             return  # timed out while decoding
         if call.tick is not None:
             self._timer.cancel(rid, call.tick)
+        self.metrics.replied(id(call.conn), call.peer, _perf() - call.t0, error)
         if error is not None:
             call.future.set_exception(error)
         else:
@@ -165,7 +178,9 @@ class PendingCalls:
             call = self._table.pop(rid, None)
             if call is None:
                 continue
-            call.future.set_exception(self.timeout_error(call.peer, call.timeout, call.func))
+            err = self.timeout_error(call.peer, call.timeout, call.func)
+            self.metrics.failed(call.peer, err, timeout=True)
+            call.future.set_exception(err)
         self._note_idle()
 
     def timeout_error(self, peer: int, timeout: float, func, detail: str = "",

@@ -36,6 +36,7 @@ from .._base.asyncexec import ASYNC_ATTR, check_future
 from .._base.errors import (LinkError, ProtocolError, RemoteCallError, RpcStateError,
                             SerializationError)
 from .._wire import frame as F
+from . import profiling
 from .future import Deferred
 from .inline import InlineScheduler
 
@@ -64,6 +65,7 @@ class Server:
         self._pool = agent.pool
         self._counters = agent.counters
         self._desc = repr(agent.info)
+        self.async_active = 0  # @async_execution functions whose future is not done
         self.inline = InlineScheduler(agent.pool.submit, agent.links.spawn_reader)
 
     def __repr__(self) -> str:
@@ -151,11 +153,16 @@ class Server:
 
     def run(self, conn, rid: int, func, args, kwargs) -> None:
         """Run a decoded request and reply (now, or when its future completes)."""
+        # in a job trace, the function's run is a range of it (profiling.py)
+        span = profiling.serve_begin(func, args, self._agent.name_of(conn.peer_rank),
+                                     self._agent.name) if profiling.traced else None
         try:
             if getattr(func, ASYNC_ATTR, None) is not None:
                 fut = func(*(args or ()), **(kwargs or {}))
                 check_future(func, fut)
-                fut.add_done_callback(lambda f: self.reply_future(conn, rid, f))
+                with self._counters.lock:
+                    self.async_active += 1
+                fut.add_done_callback(lambda f: self._async_done(conn, rid, f))
                 return
             result = func(*(args or ()), **(kwargs or {}))
             t = type(result)
@@ -177,6 +184,9 @@ class Server:
                                       f"to match any schema: {exc}")
             self.reply_error(conn, rid, exc, tb)
             return
+        finally:
+            if span is not None:
+                profiling.serve_end(span)
         # Release the arguments before replying: an RRef among them sends its
         # deletion before the caller learns the call is over.
         del func, args, kwargs
@@ -203,6 +213,11 @@ class Server:
             self._pool.submit(fn, *args)
         except RpcStateError:
             log.debug("torchwire: reply %d dropped: %s is shut down", args[1], self._desc)
+
+    def _async_done(self, conn, rid: int, fut) -> None:
+        with self._counters.lock:
+            self.async_active -= 1
+        self.reply_future(conn, rid, fut)
 
     # ------------------------------------------------------------------ replies
 

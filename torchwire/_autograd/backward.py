@@ -45,6 +45,7 @@ from .. import _serialization as ser
 from .._base import threads
 from .._base.errors import (DistAutogradError, ProtocolError, RemoteError, RpcStateError,
                             RpcTimeoutError, WorkerUnavailableError)
+from .._agent.profiling import scope
 from .context import ContextContainer, DistAutogradContext, container
 from .kinds import AutogradKind
 from . import ddp as _ddp
@@ -291,11 +292,13 @@ def _part(c, ctx: DistAutogradContext, key: tuple, weight: int, outputs, grads,
         c.backward_passes += 1
     try:
         try:
-            outgoing = _local_pass(ctx, outputs, grads, retain)
+            with scope("torchwire::autograd::local_pass"):
+                outgoing = _local_pass(ctx, outputs, grads, retain)
         except Exception as exc:
             _report(c, key, (c.rank, weight, []), _failure(c.rank, exc))
             return
-        _forward(c, ctx, key, weight, outgoing)
+        with scope("torchwire::autograd::send_gradients"):
+            _forward(c, ctx, key, weight, outgoing)
     finally:
         with c._lock:
             c.backward_passes -= 1
@@ -381,8 +384,10 @@ def backward(context_id: int, roots, retain_graph: bool = False) -> None:
     key = (c.rank, next(c.pass_ids))
     rec = c.passes[key] = _Pass(c.rank)
     try:
-        _part(c, ctx, key, _WHOLE, roots, [torch.ones_like(r) for r in roots], retain)
-        _wait(c, rec)
+        with scope("torch::distributed::autograd::backward"):  # torch's name of it
+            _part(c, ctx, key, _WHOLE, roots, [torch.ones_like(r) for r in roots], retain)
+            with scope("torchwire::autograd::wait"):
+                _wait(c, rec)
     finally:
         c.passes.pop(key, None)
     if rec.failure is not None:

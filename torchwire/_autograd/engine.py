@@ -4,7 +4,7 @@ As torch's distributed engine, every AccumulateGrad node a pass reaches runs its
 hooks (the leaf's tensor hooks, then the node's pre and post hooks), and the
 gradient goes into the context instead of ``.grad``: a pre-hook of ours takes it.
 Each recv node reached hands its (engine-summed) gradient to the running pass
-(``recording._Recv``), which returns them to be sent to their senders.
+(``recording.RecvRpc``), which returns them to be sent to their senders.
 """
 
 from __future__ import annotations

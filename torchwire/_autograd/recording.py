@@ -9,7 +9,7 @@ Installed into the serialization layer as its autograd hook (``ser.hooks.set_aut
 * A tensor that requires grad in a message of ``C`` is recorded as a *send
   entry* ``(C, send id) -> tensor`` on the sender, and travels detached with the
   tag ``(C, sender rank, send id)``.
-* The receiver passes it through :class:`_Recv`, a custom autograd Function that
+* The receiver passes it through :class:`RecvRpc`, a custom autograd Function that
   also takes a per-process scalar *anchor* leaf (so the node is always on a path
   to an input the local pass asks gradients for), and marks the received tensor
   dirty: the tensor itself gets the recv node as its ``grad_fn``, no view.  In the
@@ -47,7 +47,10 @@ _pass = _PassLocal()
 device_passes: dict = {}
 
 
-class _Recv(torch.autograd.Function):
+class RecvRpc(torch.autograd.Function):
+    """A received tensor's node: ``RecvRpcBackward`` in the graph and in profiles,
+    torch's name of it."""
+
     @staticmethod
     def forward(ctx, anchor, t, tag):
         ctx.mark_dirty(t)
@@ -77,17 +80,17 @@ def _rebuild_recv(context_id: int, src: int, send_id: int, t: torch.Tensor):
         # received tensors are views of the receive buffer; marking a view dirty would
         # rebase its base's history instead.  detach(): same memory, not a view.
         t = t.detach()
-    apply = _Recv.apply if _functorch_active() else _recv_apply
+    apply = RecvRpc.apply if _functorch_active() else _recv_apply
     if torch.is_grad_enabled():  # (a context manager costs microseconds, cold)
         return apply(_anchor, t, (context_id, src, send_id))
     with torch.enable_grad():
         return apply(_anchor, t, (context_id, src, send_id))
 
 
-# _Recv's C++ apply, without autograd.Function.apply's Python wrapper (default-argument
+# RecvRpc's C++ apply, without autograd.Function.apply's Python wrapper (default-argument
 # binding, the functorch checks), which costs microseconds per received tensor with
 # the caches cold.  Under a functorch transform the wrapper is used.
-_recv_apply = super(torch.autograd.Function, _Recv).apply
+_recv_apply = super(torch.autograd.Function, RecvRpc).apply
 _functorch_active = torch._C._are_functorch_transforms_active
 
 

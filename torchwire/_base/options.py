@@ -78,6 +78,11 @@ class TorchwireRpcBackendOptions(RpcBackendOptions):
         heartbeat_timeout: seconds without a sign of life on a connection after which its
             peer counts as frozen or unreachable: calls pending on it fail with
             ``WorkerUnavailableError`` and graceful shutdown stops waiting for it (10.0).
+        metrics_port: serve this worker's ``rpc.stats()`` in Prometheus text format
+            over HTTP on this port (0: any free one; needs ``prometheus_client``, the
+            ``metrics`` extra).  None (default): off, unless the environment variable
+            ``TORCHWIRE_METRICS_PORT`` is set (rank ``r`` then serves on its value + r).
+        metrics_addr: the address the metrics endpoint listens on (127.0.0.1).
     """
 
     def __init__(self, *, num_worker_threads: int = DEFAULT_NUM_WORKER_THREADS,
@@ -91,7 +96,8 @@ class TorchwireRpcBackendOptions(RpcBackendOptions):
                  tls_certfile: str | None = None, tls_keyfile: str | None = None,
                  tls_cafile: str | None = None, tls_check_hostname: bool = True,
                  heartbeat_interval: float = DEFAULT_HEARTBEAT_INTERVAL,
-                 heartbeat_timeout: float = DEFAULT_HEARTBEAT_TIMEOUT) -> None:
+                 heartbeat_timeout: float = DEFAULT_HEARTBEAT_TIMEOUT,
+                 metrics_port: int | None = None, metrics_addr: str | None = None) -> None:
         if not isinstance(num_worker_threads, int) or num_worker_threads < 1:
             raise ValueError(
                 f"num_worker_threads must be a positive int, got {num_worker_threads!r}")
@@ -108,6 +114,10 @@ class TorchwireRpcBackendOptions(RpcBackendOptions):
         if heartbeat_interval and heartbeat_timeout <= heartbeat_interval:
             raise ValueError(f"heartbeat_timeout ({heartbeat_timeout}) must be longer than "
                              f"heartbeat_interval ({heartbeat_interval})")
+        if metrics_port is not None and (isinstance(metrics_port, bool) or not isinstance(
+                metrics_port, int) or not 0 <= metrics_port < 65536):
+            raise ValueError(f"metrics_port must be a port number (0..65535), got "
+                             f"{metrics_port!r}")
         self.num_worker_threads = num_worker_threads
         self.rpc_timeout = float(rpc_timeout)
         self.init_method = init_method
@@ -137,6 +147,8 @@ class TorchwireRpcBackendOptions(RpcBackendOptions):
         self.tls_check_hostname = tls_check_hostname
         self.heartbeat_interval = float(heartbeat_interval)
         self.heartbeat_timeout = float(heartbeat_timeout)
+        self.metrics_port = metrics_port
+        self.metrics_addr = metrics_addr
 
     def set_device_map(self, to: str, device_map: dict) -> None:
         """Map this worker's devices to ``to``'s: a tensor on a key device arrives on the

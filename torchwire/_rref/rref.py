@@ -49,6 +49,7 @@ class RRef:
         self._user = None
         self._creation = creation
         self._type = None
+        self._type_future = None  # the future of the type query, once made
 
     @classmethod
     def _new_owner(cls, ctx, entry: Entry, creation=None) -> RRef:
@@ -65,6 +66,7 @@ class RRef:
         r._user = state
         r._creation = creation
         r._type = type_
+        r._type_future = None
         return r
 
     def __class_getitem__(cls, item):
@@ -233,14 +235,29 @@ class RRef:
             fut = self._creation = _Creation(fut)
         return fut
 
+    def _get_profiling_future(self) -> Future:
+        """torch's: completes once a profiled ``remote()``'s events are recorded (the
+        creation future here: it completes only after that)."""
+        return self._get_future()
+
     def _get_type(self, timeout: float = UNSET_RPC_TIMEOUT, blocking: bool = True):
         """Type of the value, fetched from the owner once and cached.
 
         With ``blocking=False`` returns a future of it.
         """
+        if blocking and self._type is not None:
+            return self._type
+        fut = self._type_future  # as torch: one future of it, for every non-blocking call
+        if fut is not None and fut.done():
+            try:
+                fut.value()
+            except Exception:
+                fut = self._type_future = None  # it failed: ask again
+        if fut is not None:
+            return fut if not blocking else fut.wait()
         if self._type is not None:
-            return self._type if blocking else _done(self._type)
-        if self._entry is not None:
+            fut = _done(self._type)
+        elif self._entry is not None:
             fut = type_of(self._entry.future)
         else:
             agent = context().agent
@@ -254,7 +271,11 @@ class RRef:
             except Exception:
                 pass
         fut.add_done_callback(keep)
-        return fut.wait() if blocking else fut
+        self._type_future = fut
+        if not blocking:
+            return fut
+        self._type = fut.wait()  # now: the next call must find it
+        return self._type
 
     def _check_alive(self, what: str) -> None:
         state = self._user

@@ -4,6 +4,7 @@
     python -m torchwire.examples --all        # all five
     python -m torchwire.examples rl hybrid    # the ones named
     python -m torchwire.examples --runtime    # the runtime demo (latency, bandwidth...)
+    python -m torchwire.examples --profile traces   # and a stitched trace of each
 """
 
 from __future__ import annotations
@@ -43,6 +44,10 @@ def main(argv=None) -> int:
     p.add_argument("--plots", default=".",
                    help="folder for the learning curves (default: here, torchwire-NAME.png)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    p.add_argument("--profile", default="", metavar="DIR",
+                   help="write a stitched trace of every worker over a few steps of each "
+                        "example: DIR/torchwire-NAME-trace.json.gz (open it in "
+                        "https://ui.perfetto.dev)")
     args = p.parse_args(argv)
     if args.runtime:
         from torchwire import demo
@@ -59,6 +64,9 @@ def main(argv=None) -> int:
                "--plot", os.path.join(args.plots, f"torchwire-{name}.png")]
         cmd += QUICK[name] if args.quick else []
         cmd += ["--no-progress"] if args.no_progress else []
+        if args.profile:
+            os.makedirs(args.profile, exist_ok=True)
+            cmd += ["--profile", os.path.join(args.profile, f"torchwire-{name}-trace.json.gz")]
         if subprocess.run(cmd).returncode != 0:
             failed.append(name)
     if failed:

@@ -17,6 +17,7 @@ import multiprocessing as mp
 import os
 import sys
 import tempfile
+import threading
 import time
 import traceback
 
@@ -50,6 +51,11 @@ def parser(name: str, doc: str, *, world_size: int, steps: int, min_world: int =
                    help="give up after this many seconds (default 600)")
     p.add_argument("--results", default="",
                    help="also write the summary's figures to this JSON file")
+    p.add_argument("--profile", default="", metavar="PATH",
+                   help="write one stitched trace of every worker (Chrome/Perfetto JSON, "
+                        "gzipped if PATH ends in .gz) over the first --profile-steps steps")
+    p.add_argument("--profile-steps", type=int, default=5,
+                   help="steps the --profile trace covers (default 5)")
     p.set_defaults(min_world=min_world, example=name)
     return p
 
@@ -72,6 +78,30 @@ class Job:
                                                rpc_timeout=120, init_timeout=120)
         rpc.init_rpc(name, rank=self.rank, world_size=self.world_size,
                      rpc_backend_options=opts)
+        if self.args.profile and self.rank == 0:
+            _start_profile(self.args.profile)
+
+
+_profile: list = []  # rank 0: the job profile while it runs
+_profile_lock = threading.Lock()
+
+
+def _start_profile(path: str) -> None:
+    from torchwire.profiler import JobProfile
+    with _profile_lock:
+        _profile.append(JobProfile(path).start())
+
+
+def _finish_profile() -> None:
+    """Rank 0 (by RPC from the first trainer done with its profiled steps): stop the
+    job profile and write the trace."""
+    with _profile_lock:
+        if not _profile:
+            return
+        job = _profile.pop()
+        path = job.stop()
+    print(f"stitched trace of {len(job.workers)} workers ({', '.join(job.workers)}): {path}",
+          flush=True)
 
 
 def drive_or_serve(job: Job, drive, driver: str, others: str) -> None:
@@ -185,6 +215,8 @@ class Progress:
         self.t0 = time.perf_counter()
         self.unit = unit
         self.samples = 0
+        self.args = args
+        self.steps = 0
 
     def update(self, samples: int, **metrics: float) -> None:
         """One step done, of ``samples`` samples; ``metrics`` shown as they are now."""
@@ -194,9 +226,14 @@ class Progress:
         post[f"{self.unit}/s"] = f"{rate:,.0f}"
         self.bar.set_postfix(post, refresh=False)
         self.bar.update(1)
+        self.steps += 1
+        if self.args.profile and self.steps == self.args.profile_steps:
+            rpc.rpc_sync(0, _finish_profile)
 
     def close(self) -> None:
         self.bar.close()
+        if self.args.profile and self.steps < self.args.profile_steps:
+            rpc.rpc_sync(0, _finish_profile)
 
 
 def rpc_totals(world_size: int) -> tuple[int, int]:

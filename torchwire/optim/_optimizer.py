@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from .. import _serialization as ser
+from .._agent.profiling import scope
 from .._agent.runtime import require_agent
 from .._autograd import context as _context
 from .._rref import RRef, remote
@@ -38,6 +39,10 @@ class _LocalOptimizer:
         self._bare_step = _bare_step(self.optim)
 
     def step(self, context_id: int) -> None:
+        with scope("torchwire::optim::local_step"):
+            self._step(context_id)
+
+    def _step(self, context_id: int) -> None:
         ctx = _context.container().find(context_id)
         grads: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         with _LocalOptimizer.global_lock:
@@ -201,20 +206,22 @@ class DistributedOptimizer:
             Exception: a step failed (the first error).
         """
         _context.container().get(context_id)
-        # waited for below, after this worker's own step: replies, not futures
-        futs = ser.outside_grad_context(_start_steps, self.remote_optimizers, context_id)
-        error = None
-        for r in self.remote_optimizers:
-            if r.is_owner():  # this worker's own step: here, while the others run
-                try:
-                    r.local_value().step(context_id)
-                except Exception as exc:
-                    error = error or exc
-        for fut in futs:
-            try:
-                fut.wait()
-            except Exception as exc:
-                error = error or exc
+        with scope("torchwire::optim::DistributedOptimizer.step"):
+            # waited for below, after this worker's own step: replies, not futures
+            futs = ser.outside_grad_context(_start_steps, self.remote_optimizers, context_id)
+            error = None
+            for r in self.remote_optimizers:
+                if r.is_owner():  # this worker's own step: here, while the others run
+                    try:
+                        r.local_value().step(context_id)
+                    except Exception as exc:
+                        error = error or exc
+            with scope("torchwire::optim::wait"):
+                for fut in futs:
+                    try:
+                        fut.wait()
+                    except Exception as exc:
+                        error = error or exc
         if error is not None:
             raise error
 

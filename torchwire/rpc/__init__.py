@@ -52,10 +52,10 @@ __all__ = [
 
 
 def _get_debug_info() -> dict[str, int | str]:
-    """torch's private summary: the RRef counters, the agent's calls awaiting a reply
-    (under torch's key) and distributed autograd's counters, as strings (as torch's)."""
-    info: dict[str, int | str] = dict(_rref_context_get_debug_info())  # strings, as torch's
-    info["agent.num_pending_requests"] = str(_get_current_rpc_agent().stats()["pending"])
+    """torch's private summary: the RRef counters, the agent's debug info (strings,
+    under torch's keys: ``get_debug_info()``) and distributed autograd's counters."""
+    info: dict[str, int | str] = dict(_rref_context_get_debug_info())
+    info.update(_get_current_rpc_agent().get_debug_info())
     autograd = _autograd_container().debug_info()
     info.update({k: str(autograd[k]) for k in ("num_autograd_contexts",
                                                "num_current_backward_passes")})

@@ -170,9 +170,15 @@ def get_worker_info(worker_name: str | int | None = None) -> WorkerInfo:
 
 
 def stats() -> dict[str, Any]:
-    """This worker's counters: calls sent and served, pending calls, connections, bytes.
+    """This worker's counters: calls sent and served, pending calls, connections, bytes;
+    and under ``"peers"``, per peer name: ``calls_sent``, ``calls_received``,
+    ``bytes_out``, ``bytes_in``, ``replies``, ``latency_p50_s``/``latency_p99_s``/
+    ``latency_mean_s`` (from a fixed-size histogram; None before a reply), ``errors``
+    (by exception type name) and ``timeouts``.  ``"metrics_url"``: the Prometheus
+    endpoint's URL when it is on (``metrics_port``), else None.
 
     torchwire addition (torch has no equivalent); handy for monitoring and tests.
+    See docs/guide-observability.md.
     """
     counters: dict[str, Any] = require_agent().stats()
     return counters

@@ -1,0 +1,423 @@
+"""RPC calls in torch's profiler, named as torch's RPC profiling names them.
+
+The agent checks ``torch.autograd._profiler_enabled()`` once per call; only when a
+profiler runs on the calling thread does anything here run:
+
+* under **torch.profiler** (Kineto), the call is a ``record_function`` range
+  ``rpc_<mode>#<function>(<caller> -> <callee>)`` from the send until the reply has
+  arrived (the future the caller gets completes after the range ends);
+* under either profiler (Kineto or the **legacy profiler**,
+  ``torch.autograd.profiler_legacy.profile``, the one torch's RPC profiling works
+  with), the callee runs the function under the legacy profiler of its own thread
+  and returns its events with the reply; the caller adds them to its profile,
+  renamed ``<rpc key>#remote_op: <event>``, with the callee's rank as ``node_id``
+  and ``is_remote`` set, as torch does; under the legacy profiler the call's own
+  event has the caller's rank as ``node_id``.
+
+Adding events to a profile: a legacy profile builds its events in
+``profiler_legacy._parse_legacy_records`` when it exits, torch.profiler in
+``profile._parse_kineto_results`` when they are first asked for; :func:`install`
+wraps both (once, when RPC starts) so that they also return the events this
+thread's calls gathered since the profile started (:class:`Gathered`).  Event times
+travel as wall-clock microseconds, the legacy profiler's own clock; workers on one
+host share it (across hosts they are as aligned as the hosts' clocks).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import threading
+import time
+
+import torch
+from torch.autograd import profiler_legacy as _legacy
+from torch.autograd.profiler import profile as _kineto_profile
+from torch.autograd.profiler_util import FunctionEvent
+
+from .future import Deferred, Future
+
+REMOTE_OP = "#remote_op: "  # torch's separator of an RPC key and a remote event's name
+# On internal functions: (mode, what names the call): the index of the user's function
+# among their arguments (rpc.remote's owner-side function), or a name (torch's name of
+# the same internal call)
+PROFILE_AS = "_torchwire_profile_as"
+
+enabled = torch._C._autograd._profiler_enabled
+# The one check per call, on each side: a profiler on this thread; always while this
+# process is traced for a job-wide trace (torchwire.profiler: the profiler then runs
+# on every thread, which ``enabled`` does not see).
+active = enabled
+_LEGACY = torch._C._profiler.ActiveProfilerType.LEGACY
+_ids = itertools.count(1 << 40)  # event ids of ours: clear of the profiler's handles
+_local = threading.local()
+_installed = False
+_install_lock = threading.Lock()
+
+
+_NO_SCOPE = contextlib.nullcontext()
+
+
+def scope(name: str):
+    """A ``record_function`` range named ``name`` while a profiler runs (a shared
+    no-op context otherwise): for the passes of distributed autograd and the optimizer."""
+    if enabled():
+        return torch.autograd.profiler.record_function(name)
+    return _NO_SCOPE
+
+
+def _always() -> bool:
+    return True
+
+
+# Requests served are ranges of the profile only while the process is traced: a
+# module flag, cheaper than ``active()`` on every request.
+traced = False
+
+
+def trace_all_threads(on: bool) -> None:
+    """While a profiler runs on every thread of this process (torchwire.profiler):
+    profile every call made and served here (``active``, ``traced``), and note the
+    calls' sizes."""
+    global active, traced
+    active = _always if on else enabled
+    traced = on
+    if on:
+        _job_calls.clear()
+
+
+class Probe:
+    """A profiled call's sizes in bytes: the request's (payload and tensors, set by
+    the agent) and the reply's (set by the pending calls when it arrives)."""
+
+    __slots__ = ("key", "bytes_out", "bytes_in")
+
+    def __init__(self, key: str) -> None:
+        self.key = key
+        self.bytes_out = 0
+        self.bytes_in = None
+
+    def __repr__(self) -> str:
+        return f"<Probe {self.key} out={self.bytes_out} in={self.bytes_in}>"
+
+    def replied(self, payload, tensors) -> None:
+        n = len(payload)
+        for t in tensors:
+            n += t.nbytes if hasattr(t, "nbytes") else len(t)
+        self.bytes_in = n
+
+
+_job_calls: list[Probe] = []  # while traced for a job trace: every call made, in order
+
+
+def take_job_calls() -> list[tuple[str, int, int | None]]:
+    """The calls made while traced: ``(key, bytes sent, bytes received)`` in the order
+    they started (``torchwire.profiler`` puts them on the calls' ranges)."""
+    calls = [(p.key, p.bytes_out, p.bytes_in) for p in _job_calls]
+    _job_calls.clear()
+    return calls
+
+
+def _wall_us() -> float:
+    return time.time_ns() / 1000.0
+
+
+def func_name(func) -> str:
+    """The function's name in an RPC key: torch's qualified name of a builtin
+    (``aten::add``) or a script function, else its ``__qualname__``."""
+    if isinstance(func, str):
+        return func  # a method's name (RRef proxies)
+    builtin = torch.jit._builtins._find_builtin(func)
+    if builtin is not None:
+        return str(builtin)
+    if isinstance(func, torch.jit.ScriptFunction):
+        return str(torch._jit_internal._qualified_name(func))
+    return getattr(func, "__qualname__", None) or getattr(func, "__name__", None) or repr(func)
+
+
+def call_name(func, args) -> tuple[str | None, str]:
+    """``(mode or None, name)`` a call of ``func`` is profiled under (``PROFILE_AS``)."""
+    spec = getattr(func, PROFILE_AS, None)
+    if spec is None:
+        return None, func_name(func)
+    mode, which = spec
+    return mode, func_name(args[which]) if isinstance(which, int) else which
+
+
+def serve_begin(func, args, caller: str, callee: str):
+    """Callee: open the range of a request it runs while the process is traced
+    (``traced``); returns its handle for :func:`serve_end`."""
+    key = rpc_key("serve", call_name(func, args)[1], caller, callee)
+    return torch.ops.profiler._record_function_enter_new(key, None)
+
+
+def serve_end(handle) -> None:
+    torch.ops.profiler._record_function_exit._RecordFunction(handle)
+
+
+def rpc_key(mode: str, name: str, caller: str, callee: str) -> str:
+    """torch's RPC profiling key (``rpc.internal._build_rpc_profiling_key``)."""
+    return f"rpc_{mode}#{name}({caller} -> {callee})"
+
+
+class Gathered:
+    """Events that this thread's profiled calls brought back (absolute wall-clock
+    times), waiting for the thread's legacy profile to take them when it exits."""
+
+    __slots__ = ("events", "lock")
+
+    def __init__(self) -> None:
+        self.events: list[FunctionEvent] = []
+        self.lock = threading.Lock()
+
+    def __repr__(self) -> str:
+        return f"<Gathered {len(self.events)} events>"
+
+    def add(self, events) -> None:
+        with self.lock:
+            self.events.extend(events)
+
+    def take(self) -> list[FunctionEvent]:
+        with self.lock:
+            events, self.events = self.events, []
+        return events
+
+
+def _gathered() -> Gathered:
+    g = getattr(_local, "gathered", None)
+    if g is None:
+        g = _local.gathered = Gathered()
+    return g
+
+
+class Profiled:
+    """A profiled call's reply: the function's value and the callee's events."""
+
+    __slots__ = ("value", "events")
+
+    def __init__(self, value, events) -> None:
+        self.value = value
+        self.events = events
+
+    def __reduce__(self):
+        return Profiled, (self.value, self.events)
+
+
+# ---------------------------------------------------------------------- the caller
+
+
+def call(agent, to, func, args, kwargs, timeout: float, pin, sync: bool):
+    """``agent.call`` with a profiler on: the call as a profiled event; returns the
+    future the caller gets (complete once the call's events are recorded)."""
+    mode, name = call_name(func, args)
+    key = rpc_key(mode or ("sync" if sync else "async"), name, agent.name, to.name)
+    out = Future()
+    if torch._C._autograd._profiler_type() != _LEGACY:
+        # torch.profiler: a range from send to reply, ended on whichever thread
+        # completes the call (Kineto takes the end from any thread); unless this is a
+        # job trace (which profiles the callee itself), the callee's events come back
+        # as under the legacy profiler
+        ship = active is enabled and enabled()
+        probe = Probe(key)
+        if active is _always:
+            _job_calls.append(probe)
+        handle = torch.ops.profiler._record_function_enter_new(key, None)
+        try:
+            if ship:
+                gathered = _gathered()
+                raw = agent.call(to, run_profiled, (name, False, False, func, args, kwargs),
+                                 None, timeout, pin, False, probe)
+            else:
+                raw = agent.call(to, func, args, kwargs, timeout, pin, False, probe)
+        except BaseException:
+            torch.ops.profiler._record_function_exit._RecordFunction(handle)
+            raise
+
+        def ended(f) -> None:
+            torch.ops.profiler._record_function_exit._RecordFunction(handle)
+            if ship:
+                try:
+                    reply = torch._C.Future.value(f)
+                except Exception:
+                    reply = None
+                if type(reply) is Profiled:
+                    gathered.add(_as_remote(reply.events, key, to.id))
+            _settle(f, out, ship)
+        raw._add_inline_callback(ended)
+        return out
+    gathered = _gathered()
+    start = _wall_us()
+    shapes, memory = getattr(_local, "config", (False, False))
+    wrapped = (name, shapes, memory, func, args, kwargs)
+    raw = agent.call(to, run_profiled, wrapped, None, timeout, pin, False, Probe(key))
+
+    def replied(f) -> None:
+        end = _wall_us()
+        events = [FunctionEvent(id=next(_ids), name=key, trace_name=key, thread=0,
+                                start_us=start, end_us=end, node_id=agent.rank,
+                                input_shapes=[], stack=[], is_legacy=True)]
+        try:
+            reply = torch._C.Future.value(f)
+        except Exception:
+            reply = None  # the call failed: its own event only
+        if type(reply) is Profiled:
+            events.extend(_as_remote(reply.events, key, to.id))
+        gathered.add(events)
+        _settle(f, out, True)
+    raw._add_inline_callback(replied)
+    return out
+
+
+def _settle(raw, out, unwrap: bool = False) -> None:
+    try:
+        value = raw.wait()
+    except BaseException as exc:
+        out.set_exception(exc)
+        return
+    if unwrap and type(value) is Profiled:
+        value = value.value
+    out.set_result(value)
+
+
+def _as_remote(events, key: str, callee: int) -> list[FunctionEvent]:
+    """The callee's events as the caller's profile shows them (torch's naming)."""
+    for e in events:
+        e.name = f"{key}{REMOTE_OP}{e.name}"
+        e.trace_name = e.name
+        if e.node_id < 0:  # the callee's own; nested calls' keep their node
+            e.node_id = callee
+        e.is_remote = True
+    return events
+
+
+# ---------------------------------------------------------------------- the callee
+
+
+def run_profiled(name: str, record_shapes: bool, profile_memory: bool, func, args, kwargs):
+    """Callee: run ``func`` under the legacy profiler of this thread (as the caller's
+    profile is set: shapes, memory); reply with its value and the events (those of
+    the calls it made included), as :class:`Profiled`.
+
+    An ``@async_execution`` function, or an internal one that replies later, replies
+    once its future completes: the events of the calls it made then are in too.
+    """
+    outer = getattr(_local, "gathered", None), getattr(_local, "config", None)
+    gathered = _local.gathered = Gathered()  # the calls made from here collect here
+    _local.config = (record_shapes, profile_memory)
+    profiling = _start_legacy(record_shapes, profile_memory)
+    try:
+        if "::" in name:  # a builtin op: its own event is the function's
+            value = func(*(args or ()), **(kwargs or {}))
+        else:  # a range of the function: a function without ops shows too
+            with torch.autograd.profiler.record_function(name):
+                value = func(*(args or ()), **(kwargs or {}))
+    finally:
+        _local.gathered, _local.config = outer
+        events = _stop_legacy() if profiling else []
+    later = value.future if type(value) is Deferred else value \
+        if getattr(func, "_wrapped_async_rpc_function", None) is not None else None
+    if later is None:
+        return Profiled(value, events + gathered.take())
+    if not isinstance(later, torch._C.Future):
+        return value  # not a future after all: the serving layer reports it
+    reply = Future()
+
+    def done(f) -> None:
+        try:
+            result = f.wait()
+        except BaseException as exc:
+            reply.set_exception(exc)
+            return
+        reply.set_result(Profiled(result, events + gathered.take()))
+    torch._C.Future.add_done_callback(later, done)
+    return Deferred(reply)
+
+
+def _start_legacy(record_shapes: bool, profile_memory: bool) -> bool:
+    """Start the legacy profiler on this thread (False: one runs here already)."""
+    if enabled():
+        return False
+    config = torch.autograd.ProfilerConfig(
+        torch.autograd.ProfilerState.CPU, record_shapes, profile_memory, False, False, False,
+        torch._C._profiler._ExperimentalConfig())
+    torch.autograd._enable_profiler_legacy(config)
+    return True
+
+
+def _stop_legacy() -> list[FunctionEvent]:
+    """Stop this thread's legacy profiler; its events, at absolute wall-clock times."""
+    records = torch.autograd._disable_profiler_legacy()
+    base = _profile_start_us(records)
+    events = _parse(records)
+    for e in events:
+        e.time_range.start += base
+        e.time_range.end += base
+    return events
+
+
+def _profile_start_us(records) -> float:
+    for thread in records:
+        for r in thread:
+            if r.name() == "__start_profile":
+                return float(r.start_us())
+    return 0.0
+
+
+# ---------------------------------------------------------------------- the profile
+
+
+_parse = _legacy._parse_legacy_records  # torch's own, before install()
+
+
+def _with_gathered(functions: list, start_us: float) -> list:
+    """``functions`` and the events this thread's calls gathered since ``start_us``
+    (the profile's start, wall clock), at times relative to it as the rest."""
+    g = getattr(_local, "gathered", None)
+    if g is None:
+        return functions
+    added = False
+    for e in g.take():
+        if e.time_range.start < start_us:
+            continue  # from a profile of this thread that ended before
+        e.time_range.start -= start_us
+        e.time_range.end -= start_us
+        functions.append(e)
+        added = True
+    if added:
+        functions.sort(key=lambda evt: [evt.time_range.start, -evt.time_range.end])
+    return functions
+
+
+def _parse_with_remote(thread_records):
+    """``_parse_legacy_records``, and the events gathered by this thread's calls."""
+    return _with_gathered(_parse(thread_records), _profile_start_us(thread_records))
+
+
+_parse_kineto = _kineto_profile._parse_kineto_results
+
+
+def _parse_kineto_with_remote(self, result, *args, **kwargs):
+    """torch.profiler's parse, and the events gathered by this thread's calls."""
+    return _with_gathered(_parse_kineto(self, result, *args, **kwargs),
+                          result.trace_start_ns() / 1000.0)
+
+
+_start_trace = _legacy.profile._start_trace
+
+
+def _start_trace_noting_config(self) -> None:
+    # what the callees of this thread's calls record too: shapes, memory
+    _local.config = (bool(self.record_shapes), bool(self.profile_memory))
+    _start_trace(self)
+
+
+def install() -> None:
+    """Let legacy profiles take the events of calls (once per process, when RPC
+    starts): wrap how a legacy profile starts (to note its settings) and parses."""
+    global _installed
+    with _install_lock:
+        if not _installed:
+            _legacy._parse_legacy_records = _parse_with_remote
+            _kineto_profile._parse_kineto_results = _parse_kineto_with_remote
+            _legacy.profile._start_trace = _start_trace_noting_config
+            _installed = True
