@@ -93,6 +93,7 @@ class RpcAgent:
         self.max_message_size = int(options.max_message_size)
         self.state = AgentState.RUNNING
         self.membership = None  # a dynamic group's GroupMembership
+        self.admission = None  # who accepted connections come from (plugins.Admission)
         self._plugins: list[AgentPlugin] = []
         self.names = NameTable(records)
         self.limits = MessageLimits(self.max_message_size, self.names)
@@ -156,6 +157,12 @@ class RpcAgent:
         """A dynamic group's membership (``plugins.GroupMembership``): it admits the
         connections of newcomers, and graceful shutdown leaves the group through it."""
         self.membership = membership
+        self.admission = membership
+
+    def set_admission(self, admission) -> None:
+        """A static group's ``plugins.Admission``: a connection from a rank's next
+        incarnation (it rejoined) replaces the member the agent knew."""
+        self.admission = admission
 
     @property
     def closed(self) -> bool:
@@ -309,18 +316,35 @@ class RpcAgent:
 
     def add_member(self, record: WorkerRecord):
         """A dynamic group gained a member (it joined, or a connection from it arrived
-        first).  A different worker known under its rank or name died without leaving
-        (the group gave them to the newcomer): it is dropped first.
+        first), or a rank's next incarnation rejoined (either kind of group).  A
+        different worker known under its rank or name died without leaving (the group
+        gave them to the newcomer): it is dropped first, and what depended on it fails
+        (with "it restarted" when the newcomer has its name and rank).
 
         Returns:
             its :class:`~.names.Member`.
         """
+        restarted = False
         while True:
             member, stale = self.names.add(record)
             if member is not None:
                 break
-            self._drop_member(stale, "another worker joined with its rank or name (it is gone)")
+            old = stale.record
+            if old.rank == record.rank and old.name == record.name:
+                restarted = True
+                why = (f"it restarted: {old.describe()} is gone, and {record.describe()} "
+                       "took its place")
+            else:
+                why = "another worker joined with its rank or name (it is gone)"
+            self._drop_member(stale, why)
         self.health.forget(member.info.id)
+        if restarted and self.world_size is not None:
+            # what was in flight to the old process is lost: shutdown's pair counts
+            # with this rank can never balance (termination.py)
+            self.health.ever_down.add(member.info.id)
+        if restarted:
+            log.warning("torchwire: %s: worker %s (rank %d) rejoined as %s", self.name,
+                        record.name, record.rank, record.describe())
         self._update_router()
         return member
 

@@ -36,7 +36,8 @@ import torch._prims_common as _prims
 from .. import _serialization as ser
 from .._agent.agent import AgentState
 from .._agent.runtime import current
-from .._base.errors import DistAutogradError, ProtocolError, not_initialized
+from .._base.errors import (DistAutogradError, ProtocolError, WorkerUnavailableError,
+                            not_initialized)
 from .kinds import AutogradKind
 
 log = logging.getLogger("torchwire")
@@ -49,7 +50,8 @@ _TOMBSTONES_MAX = 100_000
 class DistAutogradContext:
     """One worker's record of a distributed autograd context."""
 
-    __slots__ = ("id", "lock", "sends", "grads", "known", "recvs", "forwarded", "__weakref__")
+    __slots__ = ("id", "lock", "sends", "grads", "known", "recvs", "forwarded", "failed",
+                 "__weakref__")
 
     def __init__(self, context_id: int) -> None:
         self.id = context_id
@@ -63,6 +65,9 @@ class DistAutogradContext:
         # backward passes of other roots this worker sent gradients on in:
         # pass key -> ranks (if one is lost, the root must hear of it from here)
         self.forwarded: dict[tuple, set[int]] = {}
+        # a worker it reached was lost (WorkerUnavailableError): a backward pass in
+        # it raises that at once (the worker's part of the graph is gone)
+        self.failed: BaseException | None = None
 
     # torch's DistAutogradContext methods
     def _context_id(self) -> int:
@@ -251,6 +256,35 @@ class ContextContainer:
                     log.debug("torchwire: release of autograd context %d on rank %d not "
                               "sent: %s", context_id, rank, exc)
         return ctx
+
+    def lost(self, rank: int, error: BaseException) -> tuple[int, int]:
+        """Worker ``rank`` was lost (died, restarted, left): contexts it opened are
+        released here (it will never release them; the release goes on to the workers
+        this one reached), and contexts this worker sent requests of to it fail every
+        backward pass from now on (its part of their graph is gone).
+
+        Returns:
+            ``(released, failed)`` counts.
+        """
+        with self._lock:
+            contexts = list(self._contexts.values())
+        released = failed = 0
+        for ctx in contexts:
+            if ctx.id >> _ID_BITS == rank:
+                self.release(ctx.id, source=rank)
+                released += 1
+            elif rank in ctx.known and ctx.failed is None:
+                name = getattr(error, "worker_name", None) or f"<rank {rank}>"
+                why = getattr(error, "reason", None) or str(error)
+                ctx.failed = WorkerUnavailableError(
+                    f"distributed autograd context {ctx.id} reached worker {name} (rank "
+                    f"{rank}), which is unavailable: {why}; its part of the graph is gone, "
+                    "so no backward pass can run in this context (open a new one)",
+                    worker_name=name, reason=why)
+                with ctx.lock:
+                    ctx.sends.clear()  # their graphs ended on that worker
+                failed += 1
+        return released, failed
 
     def forwarded_to(self, rank: int) -> list[tuple]:
         """Keys of the passes of other roots this worker sent gradients on in, to ``rank``."""

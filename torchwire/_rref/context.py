@@ -194,6 +194,8 @@ class RRefContext:
         state = rref._user
         if state.deleted:
             raise RRefError("Cannot call fork an UserRRef after deletion.")
+        if state.lost is not None:
+            raise self.owner_lost(state)
         if dest == state.owner and sent.request:
             sent.pins.append(rref)  # the reply proves the owner has unpickled it
             return rebuild_rref, (state.owner, state.rref_id, None, self.rank, False)
@@ -276,8 +278,13 @@ class RRefContext:
         forks = self.forks_of(rank)
         for rref_id, fork_id in forks:
             self.del_fork(rref_id, fork_id)
+        member = self.agent.names.member(rank)  # None once a restart replaced it
+        lost = (error, member.record.incarnation if member is not None else None)
         with self._lock:
             users = [s for s in self._users.values() if s.owner == rank]
+            for state in users:
+                if state.lost is None:
+                    state.lost = lost
             children = [f for f, d in self._child_dest.items() if d == rank]
             children += [f for f, r in self._children.items()
                          if r._user is not None and r._user.owner == rank]
@@ -289,6 +296,24 @@ class RRefContext:
         log.debug("torchwire: rank %d lost (%s): released %d forks it held, forgot %d user "
                   "RRefs it owns, dropped %d children", rank, error, len(forks), len(users),
                   len(children))
+
+    def owner_lost(self, state: UserState) -> WorkerUnavailableError:
+        """The error every use of a user RRef whose owner was lost raises (a new one
+        each time): naming the owner, and saying so when it has restarted since (the
+        value died with the old process; the new one does not have it)."""
+        error, incarnation = state.lost
+        agent = self.agent
+        name = agent.name_of(state.owner)
+        member = agent.names.member(state.owner)
+        if incarnation is not None and member is not None and \
+                member.record.incarnation > incarnation:
+            why = (f"it restarted: the value died with incarnation {incarnation}, and "
+                   f"{member.record.describe()} does not have it")
+        else:
+            why = getattr(error, "reason", None) or str(error)
+        return WorkerUnavailableError(
+            f"RRef {gid(state.rref_id)} cannot be used: its owner, worker {name} (rank "
+            f"{state.owner}), is unavailable: {why}", worker_name=name, reason=why)
 
     def all_arrived(self) -> None:
         """Every worker is shutting down: delete every user RRef (torch does the same)."""

@@ -196,6 +196,7 @@ class RRef:
         """
         if self._type is not None:
             return self._type if blocking else _done(self._type)
+        self._check_alive("a proxy")
         if self._entry is not None:
             fut = type_of(self._entry.future)
         else:
@@ -214,6 +215,8 @@ class RRef:
 
     def _check_alive(self, what: str) -> None:
         state = self._user
+        if state is not None and state.lost is not None:
+            raise context().owner_lost(state)
         if state is not None and state.deleted:
             raise RRefError(f"User RRef with RRefId={gid(state.rref_id)} and "
                             f"ForkId={gid(state.fork_id)} has been deleted. "
@@ -275,6 +278,7 @@ class _Proxy:
                 # As torch: the value's type (fetched once per RRef) must have the
                 # method; a typo fails here, before anything runs remotely.
                 _check_method(rref._get_type(timeout), name)
+            rref._check_alive(f"{mode.value}().{name}()")
             call_args = (rref, name, args, kwargs)
             if mode is _ProxyMode.REMOTE:
                 return remote(rref._owner, proxy_invoke, call_args, None, timeout)
