@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from .._base.errors import SerializationError
+from .._base.errors import SerializationError, WorkerUnavailableError
 from .hooks import hooks
 from .state import grad as _grad
 from .state import tls as _tls
@@ -281,8 +281,8 @@ def dumps(obj: Any) -> tuple[bytes, list[torch.Tensor]]:
         p.dump(obj)
         payload = f.getvalue()
         return payload, p.tensors
-    except SerializationError:
-        raise
+    except (SerializationError, WorkerUnavailableError):
+        raise  # (an RRef whose owner is gone cannot be sent: its own error)
     except Exception as exc:  # pickle raises PicklingError, TypeError, AttributeError...
         raise SerializationError(f"cannot pickle {_short_type(obj)}: {exc}") from exc
     finally:
