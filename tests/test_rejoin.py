@@ -20,6 +20,7 @@ import torch
 
 import torchwire
 import torchwire.autograd as dist_autograd
+from torchwire.optim import DistributedOptimizer
 import torchwire.rpc as rpc
 from _cluster import _world_child, new_init_method, options, wait_until
 
@@ -48,6 +49,18 @@ _held: dict = {}
 def keep(name, rref):
     _held[name] = rref
     return True
+
+
+def make_param():
+    return torch.nn.Parameter(torch.ones(2))
+
+
+def scaled(param_rref, x):
+    return param_rref.local_value() * x
+
+
+def read(param_rref):
+    return param_rref.local_value().detach().clone()
 
 
 def _fork(fn, *args):
@@ -108,6 +121,8 @@ def _survivor_checks(old_pid, killed, ready):
     assert rpc.rpc_sync("worker2", keep, args=("held", mine))  # worker2 holds a fork
     assert rpc.api._rref_context_get_debug_info()["num_forks"] == 1
     assert rpc.rpc_sync("worker2", pid) == old_pid
+    stale_opt = DistributedOptimizer(torch.optim.SGD, [rpc.remote("worker2", make_param)],
+                                     lr=0.5)
     with dist_autograd.context() as cid:
         x = torch.ones(2, requires_grad=True)
         y = rpc.rpc_sync("worker2", torch.mul, args=(x, 2))
@@ -132,7 +147,18 @@ def _survivor_checks(old_pid, killed, ready):
         with pytest.raises(torchwire.WorkerUnavailableError, match="worker2") as info:
             dist_autograd.backward(cid, [y.sum()])
         assert info.value.worker_name == "worker2"
-    # the new incarnation serves RRefs and distributed autograd as any worker
+    with dist_autograd.context() as cid:
+        with pytest.raises(torchwire.WorkerUnavailableError, match="restarted") as info:
+            stale_opt.step(cid)
+        assert "build a new DistributedOptimizer" in str(info.value)
+    # the new incarnation serves RRefs, distributed autograd and optimizers as any worker
+    param = rpc.remote("worker2", make_param)
+    opt = DistributedOptimizer(torch.optim.SGD, [param], lr=0.5)
+    with dist_autograd.context() as cid:
+        y = rpc.rpc_sync("worker2", scaled, args=(param, torch.full((2,), 2.0)))
+        dist_autograd.backward(cid, [y.sum()])
+        opt.step(cid)
+    assert rpc.rpc_sync("worker2", read, args=(param,)).tolist() == [0.0, 0.0]
     fresh = rpc.remote("worker2", torch.ones, args=(3,))
     assert fresh.to_here().tolist() == [1.0] * 3
     with dist_autograd.context() as cid:
@@ -141,7 +167,7 @@ def _survivor_checks(old_pid, killed, ready):
         dist_autograd.backward(cid, [y.sum()])
         assert dist_autograd.get_gradients(cid)[x].tolist() == [3.0, 3.0]
     assert rpc.rpc_sync("worker1", add, args=(2, 3)) == 5
-    del owned, fresh, mine
+    del owned, fresh, mine, stale_opt, opt, param
     return new_pid
 
 

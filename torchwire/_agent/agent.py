@@ -97,6 +97,8 @@ class RpcAgent:
         self.admission = None  # who accepted connections come from (plugins.Admission)
         self._plugins: list[AgentPlugin] = []
         self.names = NameTable(records)
+        # how many processes held this rank before this one (a restarted worker's rejoin)
+        self.incarnation = self.names.member(rank).record.incarnation
         self.limits = MessageLimits(self.max_message_size, self.names)
         self.counters = Counters(world_size)
         self.pending = PendingCalls(self.names.name_of)

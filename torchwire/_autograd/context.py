@@ -45,6 +45,7 @@ log = logging.getLogger("torchwire")
 _ID_BITS = 48
 _MAX_LOCAL_ID = (1 << _ID_BITS) - 1
 _TOMBSTONES_MAX = 100_000
+_INCARNATION_SHIFT = 40  # incarnation N's local ids start at N << 40 (as RRef ids)
 
 
 class DistAutogradContext:
@@ -160,7 +161,8 @@ class ContextContainer:
         self._lock = threading.Lock()
         self._contexts: dict[int, DistAutogradContext] = {}
         self._tombstones: dict[int, None] = {}
-        self._next = itertools.count(0)
+        # a restarted worker's ids must not meet its predecessors' (tombstones elsewhere)
+        self._next = itertools.count(agent.incarnation << _INCARNATION_SHIFT)
         self._send_ids = itertools.count(1)
         self.backward_passes = 0
         # backward passes rooted here: (rank, serial) -> _backward._Pass

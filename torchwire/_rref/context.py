@@ -33,6 +33,10 @@ from .rref import RRef
 
 log = logging.getLogger("torchwire")
 
+# The local ids of a worker's incarnation N start at N << 40: ids of RRefs made by a
+# restarted worker never equal those of its predecessors (autograd's likewise).
+INCARNATION_SHIFT = 40
+
 _TOMBSTONES_MAX = 100_000
 
 
@@ -42,7 +46,8 @@ class RRefContext:
     def __init__(self, agent) -> None:
         self.agent = agent
         self.rank = agent.rank
-        self._ids = itertools.count()
+        # a restarted worker's ids must not meet its predecessors' (still held elsewhere)
+        self._ids = itertools.count(agent.incarnation << INCARNATION_SHIFT)
         self._lock = threading.Lock()
         self._owned: dict[Id, Entry] = {}  # entries with forks (held)
         self._live: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
@@ -362,7 +367,8 @@ class _PlainRRef:
     @staticmethod
     def can(rref: RRef, dest: int) -> bool:
         state = rref._user
-        return state is not None and not state.deleted and state.owner == dest
+        return (state is not None and not state.deleted and state.lost is None
+                and state.owner == dest)
 
     @staticmethod
     def encode(rref: RRef, send) -> tuple:
