@@ -33,7 +33,7 @@ LAYERS = [
     (6, "public-autograd", ["torchwire.autograd"]),
     (7, "optim", ["torchwire.optim"]),
     (7, "nn", ["torchwire.nn"]),
-    (8, "examples", ["torchwire.examples", "torchwire.demo"]),
+    (8, "examples", ["torchwire.examples", "torchwire.demo", "torchwire.launch"]),
     (8, "patch", ["torchwire.patch"]),
 ]
 """The project's written import order: (level, unit, package prefixes).
