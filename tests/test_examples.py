@@ -40,6 +40,15 @@ def test_parameter_server_learns_digits(tmp_path):
     assert fig["steps"] == 150
 
 
+def test_parameter_server_trains_on_through_trainers_killed_with_sigkill(tmp_path):
+    fig, out = run_example("parameter_server", tmp_path, "--world-size", "3", "--steps", "150",
+                           "--chaos", "50")
+    assert fig["steps"] == 150 and fig["kills"] == 2 and fig["rejoins"] == 2, fig
+    assert all(s >= 0 for s in fig["seconds_lost"]) and len(fig["steps_without"]) == 2
+    assert "kill 1" in out and "kill 2" in out and "SIGKILL; rejoined at step" in out
+    assert fig["accuracy"] > 0.85, fig  # as without chaos (the test above)
+
+
 def test_rnn_loss_falls(tmp_path):
     fig, out = run_example("rnn", tmp_path, "--steps", "120", "--nlayers", "1")
     assert fig["last_loss"] < 0.75 * fig["first_loss"], fig
