@@ -92,8 +92,40 @@ class Chaos:
                                       f"SIGKILL; {back}"))
         return rows
 
-    def figures(self) -> dict:
+    def figures(self, log: list[tuple[float, int]], trainers: int) -> dict:
+        """The run's figures; ``log``: per server step, (time, trainers whose gradients
+        it had), for the recovery of throughput after each kill (:func:`recovery`)."""
+        rec = [recovery(k, log, trainers) for k in self.kills]
         return {"kills": len(self.kills),
                 "rejoins": sum(k.back_at is not None for k in self.kills),
                 "seconds_lost": [k.seconds_lost for k in self.kills],
-                "steps_without": [k.steps_without for k in self.kills]}
+                "steps_without": [k.steps_without for k in self.kills],
+                "recovery_s": [r[0] for r in rec],
+                "trainer_steps_lost": [r[1] for r in rec]}
+
+
+BASELINE_STEPS = 50  # steps before a kill whose throughput is "its level before"
+WINDOW_STEPS = 20  # steps after which throughput counts as back (at least 90 %)
+
+
+def recovery(kill: Kill, log: list[tuple[float, int]], trainers: int
+             ) -> tuple[float | None, int | None]:
+    """Seconds from ``kill`` until the job's throughput (trainer gradients per second:
+    samples per second over the batch size) is back to 90 % of its level over the
+    ``BASELINE_STEPS`` steps before it, over ``WINDOW_STEPS`` steps with every trainer
+    in; and the trainer-steps lost meanwhile (gradients missing from those steps).
+    (None, None) if the log does not show it."""
+    k = kill.step  # log[k - 1] is the step the kill followed
+    if k < BASELINE_STEPS + 1:
+        return None, None
+
+    def rate(a: int, b: int) -> float:  # gradients per second over steps a+1..b
+        span = log[b - 1][0] - log[a - 1][0]
+        return sum(n for _t, n in log[a:b]) / span if span > 0 else float("inf")
+
+    base = rate(k - BASELINE_STEPS, k)
+    for j in range(k, len(log) - WINDOW_STEPS):
+        if log[j][1] == trainers and rate(j, j + WINDOW_STEPS) >= 0.9 * base:
+            lost = sum(trainers - n for _t, n in log[k:j])
+            return log[j][0] - kill.at, lost
+    return None, None

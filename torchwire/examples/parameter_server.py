@@ -75,6 +75,7 @@ class ParameterServer:
         self.arrived_from: set[int] = set()
         self.losses: dict[int, list[float]] = {}
         self.finished = threading.Event()
+        self.step_log: list[tuple[float, int]] = []  # (time, trainers in) per step
 
     def get_params(self) -> list:
         with self.lock:
@@ -146,6 +147,7 @@ class ParameterServer:
         self.opt.step()
         self.opt.zero_grad(set_to_none=False)
         self.steps += 1
+        self.step_log.append((time.monotonic(), len(self.arrived_from)))
         if self.steps % self.eval_every == 0:
             self.test_curve.append((self.steps, accuracy(self.model, self.x_test, self.y_test)))
         fut, self.pending = self.pending, torch.futures.Future()
@@ -282,7 +284,7 @@ def _report(args, ps: ParameterServer, losses: list[list[float]], elapsed: float
     if chaos is not None:
         title += f", a trainer killed every {chaos.every} steps"
         rows += chaos.rows()
-        figures.update(chaos.figures())
+        figures.update(chaos.figures(ps.step_log, n))
     _common.summary(args, title, rows, elapsed, world_size, figures)
 
 
