@@ -95,7 +95,8 @@ class Chaos:
     def figures(self, log: list[tuple[float, int]], trainers: int) -> dict:
         """The run's figures; ``log``: per server step, (time, trainers whose gradients
         it had), for the recovery of throughput after each kill (:func:`recovery`)."""
-        rec = [recovery(k, log, trainers) for k in self.kills]
+        ends = [k.step for k in self.kills[1:]] + [len(log)]
+        rec = [recovery(k, log[:end], trainers) for k, end in zip(self.kills, ends)]
         return {"kills": len(self.kills),
                 "rejoins": sum(k.back_at is not None for k in self.kills),
                 "seconds_lost": [k.seconds_lost for k in self.kills],
@@ -114,7 +115,7 @@ def recovery(kill: Kill, log: list[tuple[float, int]], trainers: int
     samples per second over the batch size) is back to 90 % of its level over the
     ``BASELINE_STEPS`` steps before it, over ``WINDOW_STEPS`` steps with every trainer
     in; and the trainer-steps lost meanwhile (gradients missing from those steps).
-    (None, None) if the log does not show it."""
+    (None, None) if the log (up to the next kill) does not show it."""
     k = kill.step  # log[k - 1] is the step the kill followed
     if k < BASELINE_STEPS + 1:
         return None, None
