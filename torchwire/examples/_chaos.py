@@ -92,11 +92,12 @@ class Chaos:
                                       f"SIGKILL; {back}"))
         return rows
 
-    def figures(self, log: list[tuple[float, int]], trainers: int) -> dict:
-        """The run's figures; ``log``: per server step, (time, trainers whose gradients
-        it had), for the recovery of throughput after each kill (:func:`recovery`)."""
-        ends = [k.step for k in self.kills[1:]] + [len(log)]
-        rec = [recovery(k, log[:end], trainers) for k, end in zip(self.kills, ends)]
+    def figures(self, log: list[tuple[float, int]], trainers: int, start: int = 0) -> dict:
+        """The run's figures; ``log``: per server step after step ``start`` (a restarted
+        server's snapshot), (time, trainers whose gradients it had), for the recovery of
+        throughput after each kill (:func:`recovery`)."""
+        ends = [k.step - start for k in self.kills[1:]] + [len(log)]
+        rec = [recovery(k, log[:end], trainers, start) for k, end in zip(self.kills, ends)]
         return {"kills": len(self.kills),
                 "rejoins": sum(k.back_at is not None for k in self.kills),
                 "seconds_lost": [k.seconds_lost for k in self.kills],
@@ -109,14 +110,14 @@ BASELINE_STEPS = 50  # steps before a kill whose throughput is "its level before
 WINDOW_STEPS = 20  # steps after which throughput counts as back (at least 90 %)
 
 
-def recovery(kill: Kill, log: list[tuple[float, int]], trainers: int
+def recovery(kill: Kill, log: list[tuple[float, int]], trainers: int, start: int = 0
              ) -> tuple[float | None, int | None]:
     """Seconds from ``kill`` until the job's throughput (trainer gradients per second:
     samples per second over the batch size) is back to 90 % of its level over the
     ``BASELINE_STEPS`` steps before it, over ``WINDOW_STEPS`` steps with every trainer
     in; and the trainer-steps lost meanwhile (gradients missing from those steps).
     (None, None) if the log (up to the next kill) does not show it."""
-    k = kill.step  # log[k - 1] is the step the kill followed
+    k = kill.step - start  # log[k - 1] is the step the kill followed
     if k < BASELINE_STEPS + 1:
         return None, None
 
