@@ -53,7 +53,7 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv=None) -> int:
+def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     import torch.distributed as dist  # only now: --help needs no torch
 
@@ -67,14 +67,14 @@ def main(argv=None) -> int:
                 TORCHELASTIC_RESTART_COUNT="0")
     cmd = [sys.executable] + (["-m"] if args.module else []) + [args.program] + args.args
 
-    def start(rank: int, restart: int) -> subprocess.Popen:
+    def start(rank: int, restart: int) -> subprocess.Popen[bytes]:
         env = dict(base, RANK=str(rank), LOCAL_RANK=str(rank),
                    TORCHWIRE_RESTART_COUNT=str(restart))
         return subprocess.Popen(cmd, env=env)
 
     sup = Supervisor(start, args.nprocs, args.max_restarts, grace=args.grace)
 
-    def interrupted(signum, _frame):
+    def interrupted(signum: int, _frame: object) -> None:
         sup.stop(f"the launcher got {signal.Signals(signum).name}")
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, interrupted)

@@ -33,7 +33,9 @@ POLL = 0.05  # seconds between looks at the workers
 class WorkerHandle(Protocol):
     """A started worker process, as the supervisor watches it."""
 
-    pid: int | None
+    @property
+    def pid(self) -> int | None:
+        """Its process id."""
 
     def poll(self) -> int | None:
         """None while it runs; then its exit status (negative: killed by that signal)."""
