@@ -57,9 +57,9 @@ def _secs(xs) -> str:
     return ", ".join("n/a" if x is None else f"{x:.2f}" for x in xs)
 
 
-def _median(xs) -> str:
+def _median(xs, fmt: str = ".2f") -> str:
     xs = [x for x in xs if x is not None]
-    return f"{statistics.median(xs):.2f}" if xs else "n/a"
+    return format(statistics.median(xs), fmt) if xs else "n/a"
 
 
 def run_rejoin(args, log, repo: str) -> int:
@@ -103,14 +103,17 @@ def run_rejoin(args, log, repo: str) -> int:
             f"| {titles[how]} | {_median(rec)} | "
             + ", ".join(_median(f["recovery_s"]) for f in figs)
             + f" | {_median([s for f in figs for s in f['seconds_lost']])} | "
-            f"{_median([n for f in figs for n in f['trainer_steps_lost']])} | "
+            f"{_median([n for f in figs for n in f['trainer_steps_lost']], 'g')} | "
             f"{statistics.median(f['accuracy'] for f in figs) * 100:.1f} % |")
         missing = sum(r is None for r in rec)
         if missing:
             lines.append(f"| | ({missing} of {len(rec)} kills not back before the next "
                          "kill or the end: left out) | | | | |")
     lines += ["", f"Without chaos (same job, {len(calm)} runs): accuracy median "
-              f"{statistics.median(calm) * 100:.1f} %.", R.REJOIN_END, ""]
+              f"{statistics.median(calm) * 100:.1f} %. Back in the job: seconds from the "
+              "SIGKILL until the new process enrolled; with a fresh interpreter most of it "
+              "is the interpreter's start (Python, torch, the example's imports), the "
+              "rejoin itself is the fork row's.", R.REJOIN_END, ""]
     section = "\n".join(lines)
     print(section)
     if args.out:

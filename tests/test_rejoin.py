@@ -168,19 +168,35 @@ def _survivor_checks(old_pid, killed, ready):
         assert dist_autograd.get_gradients(cid)[x].tolist() == [3.0, 3.0]
     assert rpc.rpc_sync("worker1", add, args=(2, 3)) == 5
     del owned, fresh, mine, stale_opt, opt, param
+    # contexts the dead incarnation opened here are dropped (it never releases them)
+    assert wait_until(lambda: dist_autograd._debug_info()["num_autograd_contexts"] == 0), \
+        dist_autograd._debug_info()
     return new_pid
+
+
+def _open_context_and_wait(victim_ready):
+    """The victim's first incarnation: a context of its own reaches worker0, then it
+    waits to be killed (the context is never released)."""
+    ctx = dist_autograd.context()
+    cid = ctx.__enter__()
+    x = torch.ones(2, requires_grad=True)
+    rpc.rpc_sync("worker0", torch.mul, args=(x, 2))
+    assert cid >> 48 == 2
+    victim_ready.set()
+    time.sleep(60)
 
 
 def test_static_group_takes_a_killed_worker_back_and_refuses_a_live_ranks_claim():
     init_method = new_init_method()
     ready = _ctx.Barrier(3)  # ranks 0 and 1 set up, plus this process
     killed = _ctx.Event()
+    victim_ready = _ctx.Event()
     old_pid = _ctx.Value("i", 0)
 
     def body(rank, world_size, init_method):
         _init(f"worker{rank}", rank, world_size, init_method)
         if rank == 2:  # the victim's first incarnation
-            time.sleep(60)
+            _open_context_and_wait(victim_ready)
         if rank == 1:
             pending = rpc.rpc_async("worker2", nap, args=(30,))
             ready.wait(WAIT)
@@ -212,6 +228,7 @@ def test_static_group_takes_a_killed_worker_back_and_refuses_a_live_ranks_claim(
     procs = [_fork(body, r, 3, init_method) for r in range(3)]
     try:
         ready.wait(60)
+        assert victim_ready.wait(60)
         os.kill(procs[2][0].pid, signal.SIGKILL)
         procs[2][0].join(5)
         killed.set()
