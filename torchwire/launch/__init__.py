@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch.distributed as dist  # only now: --help needs no torch
 
     # The store lives here, not in rank 0: a restarted rank 0 finds the job again.
-    store = dist.TCPStore(args.master_addr, args.master_port, None, True,
+    store = dist.TCPStore(args.master_addr, args.master_port, None, True,  # type: ignore[attr-defined]
                           timedelta(seconds=60), wait_for_workers=False)
     base = dict(os.environ, MASTER_ADDR=args.master_addr, MASTER_PORT=str(store.port),
                 WORLD_SIZE=str(args.nprocs), LOCAL_WORLD_SIZE=str(args.nprocs),
