@@ -8,6 +8,7 @@ Usage (``./run reliability`` runs this with the repository's .venv):
                                 [--out RELIABILITY.md]
     python bench/reliability.py --soak [--calls 1000000] [--cycles 100000]
                                 [--fuzz-examples 100000]
+    python bench/reliability.py --rejoin [--runs 5]
 
 Scenarios: kill9, sigstop, netcut, strangers, slowreader (thresholds in
 ``_reliability_faults.SCENARIOS``, printed in the report).  For each run and each
@@ -16,7 +17,9 @@ job of workers started with multiprocessing ``spawn``; every step a worker runs 
 capped, and every process left is killed at the end of its run, so nothing hangs
 this script.  ``--soak`` runs the soak (1 M calls, 100 k RRef cycles, 3 workers,
 torchwire) and the decoder fuzzing instead, and rewrites only RELIABILITY.md's soak
-section.
+section.  ``--rejoin`` measures the recovery of the parameter server example's
+throughput after a trainer's SIGKILL, restart and rejoin (torchwire; median of
+``--runs``), and rewrites only that section.
 """
 
 from __future__ import annotations
@@ -94,6 +97,8 @@ def main(argv=None) -> int:
                     help="the report to (re)write; '' to only print")
     ap.add_argument("--soak", action="store_true",
                     help="the soak and the fuzzing instead of the fault scenarios")
+    ap.add_argument("--rejoin", action="store_true",
+                    help="a trainer killed, restarted and rejoined: the recovery time")
     ap.add_argument("--calls", type=int, default=1_000_000, help="--soak: small calls")
     ap.add_argument("--cycles", type=int, default=100_000, help="--soak: RRef cycles")
     ap.add_argument("--fuzz-examples", type=int, default=100_000,
@@ -107,6 +112,10 @@ def main(argv=None) -> int:
     def log(msg):
         print(f"[{time.monotonic() - t0:6.1f}s] {msg}", file=sys.stderr, flush=True)
 
+    if args.rejoin:
+        from _reliability_rejoin import run_rejoin
+
+        return run_rejoin(args, log, REPO_ROOT)
     if args.soak:
         from _reliability_soak import run_soak_and_fuzz
 

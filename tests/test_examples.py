@@ -40,6 +40,26 @@ def test_parameter_server_learns_digits(tmp_path):
     assert fig["steps"] == 150
 
 
+def test_parameter_server_trains_on_through_trainers_killed_with_sigkill(tmp_path):
+    fig, out = run_example("parameter_server", tmp_path, "--world-size", "3", "--steps", "150",
+                           "--chaos", "50")
+    assert fig["steps"] == 150 and fig["kills"] == 2 and fig["rejoins"] == 2, fig
+    assert all(s >= 0 for s in fig["seconds_lost"]) and len(fig["steps_without"]) == 2
+    assert "kill 1" in out and "kill 2" in out and "SIGKILL; rejoined at step" in out
+    assert fig["accuracy"] > 0.85, fig  # as without chaos (the test above)
+
+
+def test_parameter_server_restarts_from_its_snapshot_and_the_trainers_wait(tmp_path):
+    ck = tmp_path / "ck"
+    fig, out = run_example("parameter_server", tmp_path, "--world-size", "3", "--steps", "150",
+                           "--checkpoint", str(ck), "--checkpoint-every", "20",
+                           "--kill-ps-at", "70")
+    assert fig["ps_restarts"] == 1 and fig["resumed_from"] == 60, fig
+    assert fig["steps"] == 150 and fig["accuracy"] > 0.85, fig
+    assert "went on from its snapshot of step 60" in out
+    assert sorted(p.name for p in ck.iterdir()) == ["ps.pt"]  # written whole, no temp left
+
+
 def test_rnn_loss_falls(tmp_path):
     fig, out = run_example("rnn", tmp_path, "--steps", "120", "--nlayers", "1")
     assert fig["last_loss"] < 0.75 * fig["first_loss"], fig

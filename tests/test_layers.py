@@ -34,7 +34,7 @@ LAYERS = [
     (7, "optim", ["torchwire.optim"]),
     (7, "nn", ["torchwire.nn"]),
     (7, "profiler", ["torchwire.profiler"]),
-    (8, "examples", ["torchwire.examples", "torchwire.demo"]),
+    (8, "examples", ["torchwire.examples", "torchwire.demo", "torchwire.launch"]),
     (8, "patch", ["torchwire.patch"]),
 ]
 """The project's written import order: (level, unit, package prefixes).

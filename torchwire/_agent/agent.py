@@ -5,6 +5,7 @@
 
 ==================  ==========================================================
 ``names.py``        the name table: members by rank and name, those that left
+``members.py``      member changes: joins, leaves, a restarted rank's rejoin
 ``links.py``        connections: made on first use, accepted, lost, retired
 ``pending.py``      calls waiting for replies, and the timer of their deadlines
 ``serving.py``      what arrives: replies to pending calls, requests to run
@@ -37,12 +38,11 @@ a connection that cannot be made or a silent heartbeat marks the peer down
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
 
 from .. import _serialization as ser
-from .._base import devices, intraop, threads
+from .._base import devices, intraop
 from .._base.errors import (LinkError, RpcStateError, RpcTimeoutError, SerializationError,
                             WorkerUnavailableError, not_initialized)
 from .._base.options import DEFAULT_HEARTBEAT_INTERVAL, DEFAULT_HEARTBEAT_TIMEOUT
@@ -55,6 +55,7 @@ from .counters import Counters
 from .future import Future, SyncReply
 from .links import Links
 from .liveness import PeerHealth
+from .members import MemberChanges
 from .names import MessageLimits, NameTable
 from .pending import PendingCalls
 from .plugins import AgentPlugin
@@ -98,8 +99,11 @@ class RpcAgent:
         self.state = AgentState.RUNNING
         self.membership = None  # a dynamic group's GroupMembership
         self.metrics_endpoint = None  # the Prometheus endpoint, when asked for
+        self.admission = None  # who accepted connections come from (plugins.Admission)
         self._plugins: list[AgentPlugin] = []
         self.names = NameTable(records)
+        # how many processes held this rank before this one (a restarted worker's rejoin)
+        self.incarnation = self.names.member(rank).record.incarnation
         self.limits = MessageLimits(self.max_message_size, self.names)
         self.counters = Counters(world_size)
         self.pending = PendingCalls(self.names.name_of)
@@ -111,6 +115,7 @@ class RpcAgent:
         self.links = Links(self, listener, job, options)
         self.server = Server(self)
         self.termination = Termination(self)
+        self.members = MemberChanges(self)
         self._share_host()
         profiling.install()
 
@@ -150,6 +155,12 @@ class RpcAgent:
         """A dynamic group's membership (``plugins.GroupMembership``): it admits the
         connections of newcomers, and graceful shutdown leaves the group through it."""
         self.membership = membership
+        self.admission = membership
+
+    def set_admission(self, admission) -> None:
+        """A static group's ``plugins.Admission``: a connection from a rank's next
+        incarnation (it rejoined) replaces the member the agent knew."""
+        self.admission = admission
 
     @property
     def closed(self) -> bool:
@@ -307,56 +318,21 @@ class RpcAgent:
     # ------------------------------------------------------------------ membership
 
     def add_member(self, record: WorkerRecord):
-        """A dynamic group gained a member (it joined, or a connection from it arrived
-        first).  A different worker known under its rank or name died without leaving
-        (the group gave them to the newcomer): it is dropped first.
+        """A member joined, or a rank's next incarnation rejoined (``members.py``).
 
         Returns:
             its :class:`~.names.Member`.
         """
-        while True:
-            member, stale = self.names.add(record)
-            if member is not None:
-                break
-            self._drop_member(stale, "another worker joined with its rank or name (it is gone)")
-        self.health.forget(member.info.id)
-        self._update_router()
-        return member
+        return self.members.add(record)
 
     def remove_member(self, rank: int, deadline: float, why: str) -> None:
-        """A dynamic group lost member ``rank`` (``why``: it left, or it is gone).
+        """A dynamic group lost member ``rank`` (``members.py``)."""
+        self.members.remove(rank, deadline, why)
 
-        New calls to it fail at once; calls already sent to it are waited for until
-        ``deadline`` (a leaving member still serves them); what is left then fails
-        with a ``WorkerUnavailableError`` naming it and ``why``.
-        """
-        member = self.names.member(rank)
-        if member is not None and rank != self.rank:
-            self._drop_member(member, why, deadline)
+    def plugins(self) -> list[AgentPlugin]:
+        return list(self._plugins)
 
-    def _drop_member(self, member, why: str, deadline: float | None = None) -> None:
-        rank = member.info.id
-        if not self.names.remove(member, why):
-            return
-        if deadline is not None and self.pending.to_peer(rank):
-            in_pool = threads.current_pool() is self.pool
-            with self.pool.blocking() if in_pool else contextlib.nullcontext():
-                delay = 0.001
-                while self.pending.to_peer(rank) and time.monotonic() < deadline:
-                    time.sleep(delay)
-                    delay = min(delay * 2, 0.02)
-        err = self.unavailable(rank, why)
-        self.pending.fail_where(err, peer=rank)
-        self.links.retire(rank)
-        self.health.forget(rank)
-        self._update_router()
-        for p in self._plugins:  # here, not on the pool: before the rank can be reused
-            try:
-                p.peer_lost(rank, err)
-            except Exception:
-                log.exception("torchwire: %r could not forget rank %d", p, rank)
-
-    def _update_router(self) -> None:
+    def update_router(self) -> None:
         """Device maps of a dynamic group: route to the members of now; and the
         intra-op threads of torchwire's own passes (their share of this host)."""
         self.limits.reset()

@@ -389,8 +389,8 @@ class Links:
             sock, rank = server_handshake(sock, agent.rank, self.job, agent.world_size,
                                           transport)
             member = agent.names.member(rank)
-            if agent.membership is not None:
-                member = agent.membership.admit(rank, member)
+            if agent.admission is not None:
+                member = agent.admission.admit(rank, member)
         except LinkError as exc:
             sock.close()
             if isinstance(exc, ConnectError):  # silent or slow until the deadline: refused

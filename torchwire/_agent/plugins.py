@@ -34,13 +34,20 @@ class AgentPlugin(Protocol):
 
 
 @runtime_checkable
-class GroupMembership(Protocol):
-    """A dynamic group's membership (``torchwire._bootstrap.membership``), as the agent
-    uses it."""
+class Admission(Protocol):
+    """Who an accepted connection comes from, when the group's members may change: a
+    dynamic group's membership, or a static group's rejoins
+    (``torchwire._bootstrap.rejoin.StaticAdmission``)."""
 
     def admit(self, rank: int, known):
         """Handshake thread: the member an authenticated connection from ``rank`` comes
         from (``known``: the agent's record of it, or None); None if not a member."""
+
+
+@runtime_checkable
+class GroupMembership(Admission, Protocol):
+    """A dynamic group's membership (``torchwire._bootstrap.membership``), as the agent
+    uses it."""
 
     def leave(self, deadline: float) -> None:
         """Graceful shutdown of a member: leave the group."""

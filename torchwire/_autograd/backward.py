@@ -380,6 +380,9 @@ def backward(context_id: int, roots, retain_graph: bool = False) -> None:
     c = container()
     roots = _check_roots(roots)
     ctx = c.get(context_id)
+    if ctx.failed is not None:
+        raise type(ctx.failed)(str(ctx.failed), worker_name=ctx.failed.worker_name,
+                               reason=ctx.failed.reason)
     retain = bool(retain_graph) or bool(ctx.sends)
     key = (c.rank, next(c.pass_ids))
     rec = c.passes[key] = _Pass(c.rank)
@@ -498,6 +501,7 @@ class AutogradContainer(ContextContainer):
             rec.lost(rank, lambda: _failure(rank, error, "", self.agent))
         for key in self.forwarded_to(rank):
             _report(self, key, None, _failure(rank, error, "", self.agent))
+        self.lost(rank, error)
 
     def close(self) -> None:
         """The agent is shut down: every pass still waiting here fails."""

@@ -36,7 +36,8 @@ import torch._prims_common as _prims
 from .. import _serialization as ser
 from .._agent.agent import AgentState
 from .._agent.runtime import current
-from .._base.errors import DistAutogradError, ProtocolError, not_initialized
+from .._base.errors import (DistAutogradError, ProtocolError, WorkerUnavailableError,
+                            not_initialized)
 from .kinds import AutogradKind
 
 log = logging.getLogger("torchwire")
@@ -44,12 +45,14 @@ log = logging.getLogger("torchwire")
 _ID_BITS = 48
 _MAX_LOCAL_ID = (1 << _ID_BITS) - 1
 _TOMBSTONES_MAX = 100_000
+_INCARNATION_SHIFT = 40  # incarnation N's local ids start at N << 40 (as RRef ids)
 
 
 class DistAutogradContext:
     """One worker's record of a distributed autograd context."""
 
     __slots__ = ("id", "lock", "sends", "grads", "known", "recvs", "forwarded", "ddp",
+                 "failed",
                  "__weakref__")
 
     def __init__(self, context_id: int) -> None:
@@ -66,6 +69,9 @@ class DistAutogradContext:
         self.forwarded: dict[tuple, set[int]] = {}
         # DDP parameters whose .grad this context holds (``ddp.Lent``), or None
         self.ddp = None
+        # a worker it reached was lost (WorkerUnavailableError): a backward pass in
+        # it raises that at once (the worker's part of the graph is gone)
+        self.failed: BaseException | None = None
 
     # torch's DistAutogradContext methods
     def _context_id(self) -> int:
@@ -166,7 +172,8 @@ class ContextContainer:
         self._lock = threading.Lock()
         self._contexts: dict[int, DistAutogradContext] = {}
         self._tombstones: dict[int, None] = {}
-        self._next = itertools.count(0)
+        # a restarted worker's ids must not meet its predecessors' (tombstones elsewhere)
+        self._next = itertools.count(agent.incarnation << _INCARNATION_SHIFT)
         self._send_ids = itertools.count(1)
         self.backward_passes = 0
         # backward passes rooted here: (rank, serial) -> _backward._Pass
@@ -264,6 +271,35 @@ class ContextContainer:
                     log.debug("torchwire: release of autograd context %d on rank %d not "
                               "sent: %s", context_id, rank, exc)
         return ctx
+
+    def lost(self, rank: int, error: BaseException) -> tuple[int, int]:
+        """Worker ``rank`` was lost (died, restarted, left): contexts it opened are
+        released here (it will never release them; the release goes on to the workers
+        this one reached), and contexts this worker sent requests of to it fail every
+        backward pass from now on (its part of their graph is gone).
+
+        Returns:
+            ``(released, failed)`` counts.
+        """
+        with self._lock:
+            contexts = list(self._contexts.values())
+        released = failed = 0
+        for ctx in contexts:
+            if ctx.id >> _ID_BITS == rank:
+                self.release(ctx.id, source=rank)
+                released += 1
+            elif rank in ctx.known and ctx.failed is None:
+                name = getattr(error, "worker_name", None) or f"<rank {rank}>"
+                why = getattr(error, "reason", None) or str(error)
+                ctx.failed = WorkerUnavailableError(
+                    f"distributed autograd context {ctx.id} reached worker {name} (rank "
+                    f"{rank}), which is unavailable: {why}; its part of the graph is gone, "
+                    "so no backward pass can run in this context (open a new one)",
+                    worker_name=name, reason=why)
+                with ctx.lock:
+                    ctx.sends.clear()  # their graphs ended on that worker
+                failed += 1
+        return released, failed
 
     def forwarded_to(self, rank: int) -> list[tuple]:
         """Keys of the passes of other roots this worker sent gradients on in, to ``rank``."""

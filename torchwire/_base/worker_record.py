@@ -13,6 +13,8 @@ is reachable by anyone who reaches its port), under these keys::
     shm              whether it takes buffers in shared-memory segments
     security         whether a user secret and TLS are set (workers must agree)
     device_maps, devices, device_count   its CUDA device maps, devices and count
+    incarnation      0 for the first process of its rank; one more for each process
+                     that took the rank back after its predecessor died (a rejoin)
 """
 
 from __future__ import annotations
@@ -38,6 +40,11 @@ class WorkerRecord:
     devices: tuple[str, ...] = ()
     device_count: int = 0
     max_message_size: int = 0  # the largest frame it accepts (0: not published)
+    incarnation: int = 0  # how many processes held this rank before this one
+
+    def describe(self) -> str:
+        """``"incarnation N (pid P)"``, for messages about a restart."""
+        return f"incarnation {self.incarnation} (pid {self.pid})"
 
     def to_json(self) -> dict[str, Any]:
         """The JSON object published in the store."""
@@ -60,7 +67,8 @@ class WorkerRecord:
                       device_maps=d.get("device_maps") or {},
                       devices=tuple(d.get("devices") or ()),
                       device_count=d.get("device_count", 0),
-                      max_message_size=int(d.get("max_message_size") or 0))
+                      max_message_size=int(d.get("max_message_size") or 0),
+                      incarnation=int(d.get("incarnation") or 0))
         except (KeyError, IndexError, TypeError) as exc:
             raise RendezvousError(f"malformed worker record in the rendezvous store: {exc!r} "
                                   f"in {d!r:.200}") from None

@@ -234,6 +234,8 @@ def _drop_dead_holders(members: dict[int, dict], record: dict) -> None:
                 "dynamic group; every member needs a unique name")
         log.warning("torchwire: %s (rank %d) is gone without leaving the group; %s takes its "
                     "place", rec["name"], rank, record["name"])
+        if rank == record["rank"] and rec["name"] == record["name"]:  # it restarted
+            record["incarnation"] = int(rec.get("incarnation") or 0) + 1
         del members[rank]
 
 

@@ -9,7 +9,9 @@ Static join protocol (``world_size`` given; every rank, in this order)::
 
     0. claim  "group"      compare_set("", "static"): a group of the other kind
                            (dynamic, see _membership.py) in this store is an error
-    1. claim  "rank/<r>"   add(1) must return 1, else the rank is taken
+    1. claim  "rank/<r>"   add(1) returns 1: a first join; else the rank's worker
+                           died and this process takes its place, or the rank is
+                           held by a live worker and it is refused (rejoin.py)
     2. rank 0 sets "job"   a random job token: part of every connection's key, and the
                            secret itself unless the user gave one (see _wire/auth.py)
     3. publish "worker/<r>" {name, rank, host, tcp, unix, pid, cma, security}
@@ -35,6 +37,7 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from .._base.errors import RendezvousError
+from .rejoin import take_over
 
 PREFIX = "torchwire"
 # torch's WorkerInfo id is an int16: the largest rank a dynamic group accepts.
@@ -244,12 +247,11 @@ def join(store, rank: int, world_size: int, record: dict, timeout: float
     except Exception as exc:
         raise RendezvousError(f"rendezvous store failed: {exc}") from exc
     if claims != 1:
-        raise RendezvousError(
-            f"rank {rank} is already taken by another process in this job "
-            f"(two workers were started with rank={rank})")
-    if rank == 0:
-        store.set("job", secrets.token_hex(16))
-    store.set(f"worker/{rank}", json.dumps(record))
+        take_over(store, rank, record, deadline)  # a restarted worker, or refused
+    else:
+        if rank == 0:
+            store.set("job", secrets.token_hex(16))
+        store.set(f"worker/{rank}", json.dumps(record))
     keys = [f"worker/{r}" for r in range(world_size)] + ["job"]
     try:
         store.wait(keys, timedelta(seconds=max(0.001, deadline - time.monotonic())))
@@ -261,14 +263,20 @@ def join(store, rank: int, world_size: int, record: dict, timeout: float
                     missing.append(r)
             except Exception:
                 missing.append(r)
+        hint = ""
+        if rank == 0 and len(missing) == world_size - 1 and world_size > 1:
+            hint = ("; if rank 0 was restarted after a crash: the rendezvous store lived in "
+                    "its process and died with it, so the job cannot take it back (restart "
+                    "the whole job)")
         raise RendezvousError(
             f"worker(s) with rank {missing} did not join within the init timeout of "
             f"{timeout:g}s (world_size={world_size}); check that every process was started "
-            f"with the same init_method and world_size") from exc
+            f"with the same init_method and world_size{hint}") from exc
     values = store.multi_get(keys)
     records = [json.loads(v) for v in values[:-1]]
     job = bytes.fromhex(values[-1].decode())
-    store.add("read", 1)
+    if claims == 1:
+        store.add("read", 1)
     by_name: dict[str, list[int]] = {}
     for r in records:
         by_name.setdefault(r["name"], []).append(r["rank"])

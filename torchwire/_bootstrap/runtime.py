@@ -8,10 +8,11 @@ This is the one place that knows every layer.  :func:`start`:
 3. builds the agent, the RRef context and the distributed autograd container, and
    registers the last two as agent plug-ins
    (``torchwire._agent.runtime.AgentPlugin``), a dynamic group's membership as its
-   ``GroupMembership``;
+   ``GroupMembership`` (a static group's admission of rejoined ranks otherwise);
 4. publishes the :class:`~torchwire._agent.runtime.Runtime` in ``current`` - before
    the agent serves, since a peer's first request may run as soon as it does - and
-   starts the agent; a dynamic member then announces itself to the group.
+   starts the agent; a dynamic member then announces itself to the group, and so
+   does a restarted worker that took its rank back in a static one (``rejoin.py``).
 
 :func:`stop` shuts the agent down and clears ``current``, whatever went wrong.
 """
@@ -38,6 +39,7 @@ from .._wire.channels.link import local_offer
 from .._wire.auth import JobAuth
 from .._wire.listener import Listener, host_identity
 from . import membership as _membership
+from . import rejoin as _rejoin
 from .collectives import Collectives
 from .rendezvous import hosts_store, join, open_store
 
@@ -93,6 +95,8 @@ def start(name: str, rank: int, world_size: int | None, options) -> Runtime:
         if membership is not None:
             membership.bind(agent)
             agent.set_membership(membership)
+        else:
+            agent.set_admission(_rejoin.StaticAdmission(store, agent))
         # Published before it serves: a peer's first request may run as soon as it does
         # (and a dynamic group's members call it before attach returns).
         current.runtime = rt
@@ -103,6 +107,8 @@ def start(name: str, rank: int, world_size: int | None, options) -> Runtime:
             except BaseException:
                 current.runtime = None
                 raise
+        elif record.get("incarnation", 0) > 0:  # a restarted worker took its rank back
+            _rejoin.announce(agent, record, deadline)
         return rt
 
 

@@ -33,6 +33,10 @@ from .rref import RRef
 
 log = logging.getLogger("torchwire")
 
+# The local ids of a worker's incarnation N start at N << 40: ids of RRefs made by a
+# restarted worker never equal those of its predecessors (autograd's likewise).
+INCARNATION_SHIFT = 40
+
 _TOMBSTONES_MAX = 100_000
 
 
@@ -42,7 +46,8 @@ class RRefContext:
     def __init__(self, agent) -> None:
         self.agent = agent
         self.rank = agent.rank
-        self._ids = itertools.count()
+        # a restarted worker's ids must not meet its predecessors' (still held elsewhere)
+        self._ids = itertools.count(agent.incarnation << INCARNATION_SHIFT)
         self._lock = threading.Lock()
         self._owned: dict[Id, Entry] = {}  # entries with forks (held)
         self._live: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
@@ -195,6 +200,8 @@ class RRefContext:
         state = rref._user
         if state.deleted:
             raise RRefError("Cannot call fork an UserRRef after deletion.")
+        if state.lost is not None:
+            raise self.owner_lost(state)
         if dest == state.owner and sent.request:
             sent.pins.append(rref)  # the reply proves the owner has unpickled it
             return rebuild_rref, (state.owner, state.rref_id, None, self.rank, False)
@@ -277,8 +284,13 @@ class RRefContext:
         forks = self.forks_of(rank)
         for rref_id, fork_id in forks:
             self.del_fork(rref_id, fork_id)
+        member = self.agent.names.member(rank)  # None once a restart replaced it
+        lost = (error, member.record.incarnation if member is not None else None)
         with self._lock:
             users = [s for s in self._users.values() if s.owner == rank]
+            for state in users:
+                if state.lost is None:
+                    state.lost = lost
             children = [f for f, d in self._child_dest.items() if d == rank]
             children += [f for f, r in self._children.items()
                          if r._user is not None and r._user.owner == rank]
@@ -290,6 +302,24 @@ class RRefContext:
         log.debug("torchwire: rank %d lost (%s): released %d forks it held, forgot %d user "
                   "RRefs it owns, dropped %d children", rank, error, len(forks), len(users),
                   len(children))
+
+    def owner_lost(self, state: UserState) -> WorkerUnavailableError:
+        """The error every use of a user RRef whose owner was lost raises (a new one
+        each time): naming the owner, and saying so when it has restarted since (the
+        value died with the old process; the new one does not have it)."""
+        error, incarnation = state.lost
+        agent = self.agent
+        name = agent.name_of(state.owner)
+        member = agent.names.member(state.owner)
+        if incarnation is not None and member is not None and \
+                member.record.incarnation > incarnation:
+            why = (f"it restarted: the value died with incarnation {incarnation}, and "
+                   f"{member.record.describe()} does not have it")
+        else:
+            why = getattr(error, "reason", None) or str(error)
+        return WorkerUnavailableError(
+            f"RRef {gid(state.rref_id)} cannot be used: its owner, worker {name} (rank "
+            f"{state.owner}), is unavailable: {why}", worker_name=name, reason=why)
 
     def all_arrived(self) -> None:
         """Every worker is shutting down: delete every user RRef (torch does the same)."""
@@ -338,7 +368,8 @@ class _PlainRRef:
     @staticmethod
     def can(rref: RRef, dest: int) -> bool:
         state = rref._user
-        return state is not None and not state.deleted and state.owner == dest
+        return (state is not None and not state.deleted and state.lost is None
+                and state.owner == dest)
 
     @staticmethod
     def encode(rref: RRef, send) -> tuple:

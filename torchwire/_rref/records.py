@@ -85,7 +85,7 @@ class UserState:
     """Mutable protocol state of one user fork; changed only by the janitor thread
     (``confirmed`` is also set by the creation callback, before it queues an event)."""
 
-    __slots__ = ("owner", "rref_id", "fork_id", "confirmed", "deleted", "gone", "gate")
+    __slots__ = ("owner", "rref_id", "fork_id", "confirmed", "deleted", "gone", "gate", "lost")
 
     def __init__(self, owner: int, rref_id: Id, fork_id: Id, confirmed: bool) -> None:
         self.gate = None  # future a request waits on before its function runs
@@ -95,6 +95,8 @@ class UserState:
         self.confirmed = confirmed
         self.deleted = False  # the RRef object died or shutdown deleted it
         self.gone = False  # nothing more to tell the owner (deletion sent, or owner lost)
+        # (error, incarnation) once its owner was lost: every use raises (owner_lost)
+        self.lost: tuple[BaseException, int | None] | None = None
 
     def __repr__(self) -> str:
         return (f"<UserState {gid(self.fork_id)} of {gid(self.rref_id)} owner={self.owner} "

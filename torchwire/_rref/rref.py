@@ -255,6 +255,8 @@ class RRef:
                 fut = self._type_future = None  # it failed: ask again
         if fut is not None:
             return fut if not blocking else fut.wait()
+        if self._type is None:
+            self._check_alive("a proxy")
         if self._type is not None:
             fut = _done(self._type)
         elif self._entry is not None:
@@ -279,6 +281,8 @@ class RRef:
 
     def _check_alive(self, what: str) -> None:
         state = self._user
+        if state is not None and state.lost is not None:
+            raise context().owner_lost(state)
         if state is not None and state.deleted:
             raise RRefError(f"User RRef with RRefId={gid(state.rref_id)} and "
                             f"ForkId={gid(state.fork_id)} has been deleted. "
@@ -353,6 +357,7 @@ class _Proxy:
                 # As torch: the value's type (fetched once per RRef) must have the
                 # method; a typo fails here, before anything runs remotely.
                 _check_method(rref._get_type(timeout), name)
+            rref._check_alive(f"{mode.value}().{name}()")
             call_args = (rref, name, args, kwargs)
             if mode is _ProxyMode.REMOTE:
                 return remote(rref._owner, proxy_invoke, call_args, None, timeout)

@@ -30,7 +30,7 @@ from typing import Any
 import cloudpickle
 import torch
 
-from .._base.errors import SerializationError
+from .._base.errors import SerializationError, WorkerUnavailableError
 from . import closures
 from .hooks import hooks
 from .state import grad as _grad
@@ -357,8 +357,8 @@ def dumps(obj: Any) -> tuple[bytes, list[torch.Tensor]]:
         p.dump(obj)
         payload = f.getvalue()
         return payload, p.tensors
-    except SerializationError:
-        raise
+    except (SerializationError, WorkerUnavailableError):
+        raise  # (an RRef whose owner is gone cannot be sent: its own error)
     except Exception:  # pickle raises PicklingError, TypeError, AttributeError, ByValue
         pass
     finally:

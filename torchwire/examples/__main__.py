@@ -5,6 +5,8 @@
     python -m torchwire.examples rl hybrid    # the ones named
     python -m torchwire.examples --runtime    # the runtime demo (latency, bandwidth...)
     python -m torchwire.examples --profile traces   # and a stitched trace of each
+    python -m torchwire.examples --chaos      # the parameter server trains on through
+                                              # trainers killed with SIGKILL
 """
 
 from __future__ import annotations
@@ -40,6 +42,9 @@ def main(argv=None) -> int:
     p.add_argument("--runtime", action="store_true",
                    help="run the runtime demo instead (torchwire.demo: latency, throughput, "
                         "bandwidth, a call chain, a remote error, counters)")
+    p.add_argument("--chaos", action="store_true",
+                   help="the parameter server with a trainer killed (SIGKILL) every 100 "
+                        "steps (every 30 with --quick): each restarts and rejoins the job")
     p.add_argument("--quick", action="store_true", help="a few steps each")
     p.add_argument("--plots", default=".",
                    help="folder for the learning curves (default: here, torchwire-NAME.png)")
@@ -53,6 +58,8 @@ def main(argv=None) -> int:
         from torchwire import demo
         return demo.main(["--quick"] if args.quick else [])
     names = list(EXAMPLES) if args.all else (args.names or DEFAULT)
+    if args.chaos:
+        names = ["parameter_server"]
     unknown = [n for n in names if n not in EXAMPLES]
     if unknown:
         p.error(f"no example {', '.join(unknown)}; there are {', '.join(EXAMPLES)}")
@@ -63,6 +70,7 @@ def main(argv=None) -> int:
         cmd = [sys.executable, "-m", f"torchwire.examples.{name}",
                "--plot", os.path.join(args.plots, f"torchwire-{name}.png")]
         cmd += QUICK[name] if args.quick else []
+        cmd += ["--chaos", "30" if args.quick else "100"] if args.chaos else []
         cmd += ["--no-progress"] if args.no_progress else []
         if args.profile:
             os.makedirs(args.profile, exist_ok=True)

@@ -24,6 +24,7 @@ import traceback
 import torch
 
 import torchwire.rpc as rpc
+from torchwire.launch import Supervisor
 
 
 def parser(name: str, doc: str, *, world_size: int, steps: int, min_world: int = 2,
@@ -71,6 +72,8 @@ class Job:
     #: where a torch.distributed process group (gloo) meets; not the RPC store's address
     group_init_method: str
     torchrun: bool
+    #: how many processes held this rank before this one (restarted after a crash)
+    restart: int = 0
 
     def init_rpc(self, name: str) -> None:
         torch.manual_seed(self.args.seed * 1000 + self.rank)
@@ -142,7 +145,8 @@ def launch(worker, args: argparse.Namespace) -> int:
             print(f"{args.example} needs at least {args.min_world} processes, torchrun "
                   f"started {world}", file=sys.stderr)
             return 2
-        job = Job(int(os.environ["RANK"]), world, args, "env://", "env://", True)
+        job = Job(int(os.environ["RANK"]), world, args, "env://", "env://", True,
+                  int(os.environ.get("TORCHWIRE_RESTART_COUNT", "0")))
         _run_one(worker, job)
         return 0
     if args.world_size < args.min_world:
@@ -154,13 +158,44 @@ def launch(worker, args: argparse.Namespace) -> int:
     # fork: the children start at once, with torch already imported (the parent ran no
     # torch op, so there is no thread pool to inherit)
     ctx = mp.get_context("fork" if sys.platform == "linux" else "spawn")
-    procs = [ctx.Process(target=_run_one,
-                         args=(worker, Job(r, args.world_size, args, rpc_init, group_init,
-                                           False)),
-                         name=f"rank{r}") for r in range(args.world_size)]
-    for p in procs:
+
+    def start(rank: int, restart: int = 0):
+        p = ctx.Process(target=_run_one,
+                        args=(worker, Job(rank, args.world_size, args, rpc_init, group_init,
+                                          False, restart)),
+                        name=f"rank{rank}")
         p.start()
-    return _wait(procs, args.timeout)
+        return p
+
+    restarts = getattr(args, "max_restarts", 0)
+    if restarts:  # a crashed rank starts again and rejoins; the others run on
+        sup = Supervisor(lambda rank, restart: _Handle(start(rank, restart)),
+                         args.world_size, restarts, report=_quiet)
+        return sup.run(args.timeout)
+    return _wait([start(r) for r in range(args.world_size)], args.timeout)
+
+
+class _Handle:
+    """A forked rank as the launcher's supervisor watches it."""
+
+    def __init__(self, proc) -> None:
+        self.proc = proc
+        self.pid = proc.pid
+
+    def poll(self) -> int | None:
+        return self.proc.exitcode
+
+    def terminate(self) -> None:
+        self.proc.terminate()
+
+    def kill(self) -> None:
+        self.proc.kill()
+
+
+def _quiet(line: str) -> None:
+    """The supervisor's report: restarts are the example's own news (its summary)."""
+    if "giving up" in line:
+        print(line, file=sys.stderr, flush=True)
 
 
 def _run_one(worker, job: Job) -> None:

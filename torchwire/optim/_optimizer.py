@@ -23,6 +23,7 @@ from .._agent.profiling import scope
 from .._agent.runtime import require_agent
 from .._autograd import context as _context
 from .._rref import RRef, remote
+from .._base.errors import WorkerUnavailableError
 
 
 class _LocalOptimizer:
@@ -203,12 +204,18 @@ class DistributedOptimizer:
         Raises:
             DistAutogradError: ``context_id`` is not a context of this worker ("Could
                 not find autograd context with id").
+            WorkerUnavailableError: an owner of parameters is gone (or restarted: the
+                parameters died with its process); build a new optimizer.
             Exception: a step failed (the first error).
         """
         _context.container().get(context_id)
         with scope("torchwire::optim::DistributedOptimizer.step"):
             # waited for below, after this worker's own step: replies, not futures
-            futs = ser.outside_grad_context(_start_steps, self.remote_optimizers, context_id)
+            try:
+                futs = ser.outside_grad_context(_start_steps, self.remote_optimizers,
+                                                context_id)
+            except WorkerUnavailableError as exc:
+                raise _owner_gone(exc) from exc
             error = None
             for r in self.remote_optimizers:
                 if r.is_owner():  # this worker's own step: here, while the others run
@@ -222,8 +229,19 @@ class DistributedOptimizer:
                         fut.wait()
                     except Exception as exc:
                         error = error or exc
+        if isinstance(error, WorkerUnavailableError):
+            raise _owner_gone(error) from error
         if error is not None:
             raise error
+
+
+def _owner_gone(exc: WorkerUnavailableError) -> WorkerUnavailableError:
+    """A step could not reach an owner of parameters: say what to do about it."""
+    return WorkerUnavailableError(
+        f"DistributedOptimizer.step: {exc} (the local optimizer and the parameters it "
+        "stepped there are gone with that process; once the worker is back, build a new "
+        "DistributedOptimizer from RRefs to its parameters as they are now)",
+        worker_name=exc.worker_name, reason=exc.reason)
 
 
 for _cls in (DistributedOptimizer,):
