@@ -119,7 +119,7 @@ def _survivor_checks(old_pid, killed, ready):
     assert owned.to_here().tolist() == [1.0, 1.0]
     mine = rpc.RRef(torch.zeros(3))
     assert rpc.rpc_sync("worker2", keep, args=("held", mine))  # worker2 holds a fork
-    assert rpc.api._rref_context_get_debug_info()["num_forks"] == 1
+    assert int(rpc.api._rref_context_get_debug_info()["num_forks"]) == 1
     assert rpc.rpc_sync("worker2", pid) == old_pid
     stale_opt = DistributedOptimizer(torch.optim.SGD, [rpc.remote("worker2", make_param)],
                                      lr=0.5)
@@ -143,7 +143,7 @@ def _survivor_checks(old_pid, killed, ready):
         with pytest.raises(torchwire.WorkerUnavailableError, match="restarted"):
             rpc.rpc_sync("worker1", keep, args=("passed on", owned))
         # the fork the dead incarnation held of ours is released: no leak
-        assert wait_until(lambda: rpc.api._rref_context_get_debug_info()["num_forks"] == 0)
+        assert wait_until(lambda: int(rpc.api._rref_context_get_debug_info()["num_forks"]) == 0)
         with pytest.raises(torchwire.WorkerUnavailableError, match="worker2") as info:
             dist_autograd.backward(cid, [y.sum()])
         assert info.value.worker_name == "worker2"
@@ -210,7 +210,7 @@ def test_static_group_takes_a_killed_worker_back_and_refuses_a_live_ranks_claim(
         new = _survivor_checks(old_pid.value, killed, ready)
         stats = rpc.api._rref_context_get_debug_info()
         rpc.shutdown()
-        return new, stats["num_forks"]
+        return new, int(stats["num_forks"])
 
     def reborn(rank, world_size, init_method):
         _init("worker2", 2, 3, init_method)
