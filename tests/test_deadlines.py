@@ -19,7 +19,7 @@ import torch
 
 import torchwire
 import torchwire.rpc as rpc
-from _cluster import options
+from _cluster import options, run_world
 from test_failures import _reap, _result, _start
 from torchwire._wire.writer import Writer
 
@@ -185,3 +185,32 @@ def _drain(sock, into: bytearray, n: int) -> None:
         if not chunk:
             return
         into += chunk
+
+
+def nap(seconds):
+    time.sleep(seconds)
+    return seconds
+
+
+def test_dials_cut_short_by_their_callers_deadline_leave_the_peers_other_calls_alone():
+    """Calls with a 1 ms timeout to a peer not yet connected give up their dial at the
+    deadline, sometimes after the peer's side of the handshake ended: the peer must not
+    take that for the caller's loss (it closed the caller's other connections and failed
+    the calls on them).  A ring of four, each calling the next (torch's
+    test_default_timeout_used)."""
+    def body(rank, world_size):
+        dst = f"worker{(rank + 1) % world_size}"
+        rpc._set_rpc_timeout(0.001)
+        for fut in [rpc.rpc_async(dst, nap, args=(0.5,)) for _ in range(10)]:
+            with pytest.raises(torchwire.RpcTimeoutError):
+                fut.wait()
+        rpc._set_rpc_timeout(60)
+        slow = rpc.rpc_async(dst, nap, args=(0.5,))
+        rpc._set_rpc_timeout(0.001)
+        with pytest.raises(torchwire.RpcTimeoutError):
+            rpc.rpc_async(dst, nap, args=(0.5,)).wait()
+        rpc._set_rpc_timeout(60)
+        assert slow.wait() == 0.5
+        return True
+
+    assert run_world(body, 4, timeout=60) == [True] * 4

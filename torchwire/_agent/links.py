@@ -447,6 +447,11 @@ class Links:
             agent.pending.fail_where(err, conn=conn)
         if conn in self._retired:
             return  # with a member that was dropped: it tells nothing of the rank's newcomer
+        if not conn.initiated and not conn.bytes_in and not conn.heartbeats_in:
+            # the peer gave up on a connection it opened before using it (a dial cut
+            # short by its caller's deadline, after the handshake ended here): that says
+            # nothing of the peer, and its other connections stay
+            return
         if exc is not None and agent.state is AgentState.RUNNING and not conn.goodbye_received:
             log.warning("torchwire: %s lost its connection to %s: %s", agent.name,
                         agent.name_of(conn.peer_rank), exc)
