@@ -175,7 +175,8 @@ def test_a_peer_dying_mid_transfer_leaves_the_survivor_clean(link):
         from _cluster import die, options
         rpc.init_rpc(f"worker{rank}", rank=rank, world_size=world_size,
                      rpc_backend_options=options(init_method, rpc_timeout=20, **link))
-        big = torch.ones(64 << 20, dtype=torch.uint8)  # 64 MiB
+        # 64 MiB; 256 MiB over TCP, whose lanes echoed 64 MiB within the 50 ms below
+        big = torch.ones((256 if "_transports" in link else 64) << 20, dtype=torch.uint8)
         if rank == 1:
             rpc.rpc_sync("worker0", echo, args=(torch.ones(4),))
             inflight = rpc.rpc_async("worker0", echo, args=(big,))  # worker0 reads it
