@@ -23,6 +23,7 @@ import torchwire.autograd as dist_autograd
 from torchwire.optim import DistributedOptimizer
 import torchwire.rpc as rpc
 from _cluster import _world_child, new_init_method, options, wait_until
+from test_failures import _reap
 
 _ctx = mp.get_context("fork")
 WAIT = 30  # seconds any child waits for an event before failing
@@ -78,13 +79,6 @@ def _result(proc, timeout=60):
     status, value = conn.recv()
     assert status == "ok", value
     return value
-
-
-def _reap(procs):
-    for p, _ in procs:
-        if p.is_alive():
-            os.kill(p.pid, signal.SIGKILL)
-        p.join(5)
 
 
 def _free_port() -> int:
