@@ -38,6 +38,19 @@ SUITES = [
     ("ddp_under_dist_autograd_test", "DdpComparisonTest"),
 ]
 
+# rpc_utils.GENERIC_CUDA_TESTS and TENSORPIPE_CUDA_TESTS: run only with
+# TORCHWIRE_COMPAT_CUDA=1 (a GPU machine), their workers spawned, since CUDA cannot be
+# used in a child forked from a parent that asked CUDA anything.
+CUDA_SUITES = [
+    ("rpc.rpc_test", "CudaRpcTest"),
+    ("rpc.rpc_test", "TensorPipeAgentCudaRpcTest"),
+    ("rpc.dist_autograd_test", "CudaDistAutogradTest"),
+    ("rpc.dist_autograd_test", "TensorPipeCudaDistAutogradTest"),
+    ("nn.api.remote_module_test", "CudaRemoteModuleTest"),
+    ("ddp_under_dist_autograd_test", "CudaDdpComparisonTest"),
+]
+CUDA = os.environ.get("TORCHWIRE_COMPAT_CUDA") == "1"
+
 
 class TorchwireRpcAgentTestFixture(RpcAgentTestFixture):
     """What ``TensorPipeRpcAgentTestFixture`` gives torch's tests, with torchwire's options."""
@@ -112,6 +125,13 @@ class ForkHelper(MultiProcessTestCase):
         super().run_test(test_name, parent_pipe)
 
 
+class SpawnHelper(ForkHelper):
+    """:class:`ForkHelper` with spawned workers, for the CUDA suites."""
+
+    def _start_processes(self, proc):
+        super()._start_processes(torch.multiprocessing.get_context("spawn").Process)
+
+
 def _fixture() -> type:
     """torch's own TensorPipe fixture under torchwire.patch alone, else torchwire's."""
     if os.environ.get("TORCHWIRE_COMPAT_PATCH_ONLY") == "1":
@@ -122,14 +142,16 @@ def _fixture() -> type:
 
 
 def build_classes(module_name: str) -> dict[str, type]:
-    """``{class name: runnable TestCase}`` for every suite in :data:`SUITES`."""
+    """``{class name: runnable TestCase}`` for every suite in :data:`SUITES` (and
+    :data:`CUDA_SUITES` under ``TORCHWIRE_COMPAT_CUDA=1``)."""
     import importlib
 
     classes = {}
-    for module, name in SUITES:
+    for module, name in SUITES + (CUDA_SUITES if CUDA else []):
         suite = getattr(importlib.import_module(
             f"torch.testing._internal.distributed.{module}"), name)
-        cls = type(name, (suite, _fixture(), ForkHelper), {})
+        helper = SpawnHelper if (module, name) in CUDA_SUITES else ForkHelper
+        cls = type(name, (suite, _fixture(), helper), {})
         cls.__module__ = module_name
         cls.__qualname__ = name
         classes[name] = cls

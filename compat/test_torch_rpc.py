@@ -4,6 +4,13 @@ The classes below are torch's own (imported from the installed torch), mixed wit
 torchwire's fixture; see ``compat/fixture.py``.
 """
 
-from fixture import build_classes
+import os
+
+import _alias
+
+# A spawned worker (the CUDA suites) imports this module without conftest.py: alias first.
+_alias.install(placeholders=os.environ.get("TORCHWIRE_COMPAT_PATCH_ONLY") != "1")
+
+from fixture import build_classes  # noqa: E402
 
 globals().update(build_classes(__name__))
