@@ -337,7 +337,8 @@ class RpcAgent:
         intra-op threads of torchwire's own passes (their share of this host)."""
         self.limits.reset()
         router = devices.Router(self.name, [m.record for m in self.names.members()])
-        ser.hooks.set_device_router(router.target if router else None)
+        ser.hooks.set_device_router(router.target if router else None,
+                                        cpu_routed=router.routes_cpu, ipc=router.ipc)
         self._share_host()
 
     def _share_host(self) -> None:

@@ -12,6 +12,8 @@ the receiver copies it onto the mapped device.
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 
@@ -54,7 +56,9 @@ def encode(device_maps: dict, devices: list) -> dict:
     return {"device_maps": {name: {str(k): str(v) for k, v in m.items()}
                             for name, m in device_maps.items()},
             "devices": [str(d) for d in devices],
-            "device_count": torch.cuda.device_count() if torch.cuda.is_available() else 0}
+            "device_count": torch.cuda.device_count() if torch.cuda.is_available() else 0,
+            "cuda_visible": os.environ.get("CUDA_VISIBLE_DEVICES"),
+            "cuda_ipc": os.environ.get("TORCHWIRE_CUDA_IPC", "1") != "0"}
 
 
 def _valid(d: torch.device, count: int) -> bool:
@@ -112,7 +116,13 @@ class Router:
     def __init__(self, my_name: str, records: list) -> None:
         self._out: dict[int, dict] = {}  # dest rank -> my map to it (requests)
         self._back: dict[int, dict] = {}  # dest rank -> inverse of its map to me (replies)
-        mine = next((r.device_maps for r in records if r.name == my_name), {})
+        me = next((r for r in records if r.name == my_name), None)
+        mine = me.device_maps if me is not None else {}
+        # another process of this kernel, the same GPUs under the same indices, both
+        # willing: CUDA IPC (a process cannot open its own memory's IPC handle)
+        self._ipc = {r.rank for r in records
+                     if me is not None and r is not me and me.cuda_ipc and r.cuda_ipc
+                     and r.host == me.host and r.cuda_visible == me.cuda_visible}
         for r in records:
             m = mine.get(r.name, {})
             self._out[r.rank] = {torch.device(k): torch.device(v) for k, v in m.items()}
@@ -121,6 +131,17 @@ class Router:
 
     def __bool__(self) -> bool:
         return any(self._out.values()) or any(self._back.values())
+
+    def ipc(self, dest: int) -> bool:
+        """Whether CUDA tensors to rank ``dest`` may travel by CUDA IPC."""
+        return dest in self._ipc
+
+    @property
+    def routes_cpu(self) -> bool:
+        """Whether some map sends CPU tensors elsewhere (``{"cpu": 0}``)."""
+        cpu = torch.device("cpu")
+        return any(cpu in m and m[cpu] != cpu
+                   for m in (*self._out.values(), *self._back.values()))
 
     def target(self, dest: int, request: bool | None,
                device: torch.device) -> torch.device | None:

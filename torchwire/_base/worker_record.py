@@ -13,6 +13,8 @@ is reachable by anyone who reaches its port), under these keys::
     shm              whether it takes buffers in shared-memory segments
     security         whether a user secret and TLS are set (workers must agree)
     device_maps, devices, device_count   its CUDA device maps, devices and count
+    cuda_visible, cuda_ipc   its CUDA_VISIBLE_DEVICES, and whether it shares CUDA memory
+                     with workers of its host (TORCHWIRE_CUDA_IPC is not "0")
     incarnation      0 for the first process of its rank; one more for each process
                      that took the rank back after its predecessor died (a rejoin)
 """
@@ -39,6 +41,8 @@ class WorkerRecord:
     device_maps: dict = dataclasses.field(default_factory=dict)
     devices: tuple[str, ...] = ()
     device_count: int = 0
+    cuda_visible: str | None = None
+    cuda_ipc: bool = False
     max_message_size: int = 0  # the largest frame it accepts (0: not published)
     incarnation: int = 0  # how many processes held this rank before this one
 
@@ -67,6 +71,8 @@ class WorkerRecord:
                       device_maps=d.get("device_maps") or {},
                       devices=tuple(d.get("devices") or ()),
                       device_count=d.get("device_count", 0),
+                      cuda_visible=d.get("cuda_visible"),
+                      cuda_ipc=bool(d.get("cuda_ipc")),
                       max_message_size=int(d.get("max_message_size") or 0),
                       incarnation=int(d.get("incarnation") or 0))
         except (KeyError, IndexError, TypeError) as exc:

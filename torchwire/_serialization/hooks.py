@@ -84,13 +84,15 @@ class Hooks:
     ``device_router``.
     """
 
-    __slots__ = ("autograd", "rref", "device_router", "_reducers", "_handlers", "_decoders",
-                 "_kinds", "_on_reducers")
+    __slots__ = ("autograd", "rref", "device_router", "cpu_routed", "device_ipc", "_reducers",
+                 "_handlers", "_decoders", "_kinds", "_on_reducers")
 
     def __init__(self) -> None:
         self.autograd: AutogradHook | None = None
         self.rref: RRefCodec | None = None
         self.device_router: DeviceRouter | None = None
+        self.cpu_routed = False  # some map names "cpu": CPU tensors are routed too
+        self.device_ipc: Callable[[int], bool] | None = None  # rank -> shares CUDA memory
         self._reducers: dict[type, Callable[[Any], Any]] = {}
         self._handlers: dict[int, PlainHandler] = {}
         self._decoders: dict[int, PlainDecoder] = {}
@@ -134,10 +136,15 @@ class Hooks:
     def set_rref_codec(self, codec: RRefCodec) -> None:
         self.rref = codec
 
-    def set_device_router(self, router: DeviceRouter | None) -> None:
+    def set_device_router(self, router: DeviceRouter | None, cpu_routed: bool = False,
+                          ipc: Callable[[int], bool] | None = None) -> None:
         """Where a CUDA tensor goes (``router(dest rank, is request, device)``); None:
-        no device maps, CUDA tensors are refused."""
+        no device maps, CUDA tensors are refused.  ``cpu_routed``: a map names the CPU
+        (``{"cpu": 0}``), so CPU tensors ask the router too, and no message is plain.
+        ``ipc(dest rank)``: whether CUDA tensors to it travel by CUDA IPC."""
         self.device_router = router
+        self.cpu_routed = cpu_routed and router is not None
+        self.device_ipc = ipc if router is not None else None
 
     # ------------------------------------------------------------------ plain kinds
 

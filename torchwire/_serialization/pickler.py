@@ -31,7 +31,7 @@ import cloudpickle
 import torch
 
 from .._base.errors import SerializationError, WorkerUnavailableError
-from . import closures
+from . import closures, cuda_ipc
 from .hooks import hooks
 from .state import grad as _grad
 from .state import tls as _tls
@@ -192,6 +192,10 @@ class _RpcPickler(pickle.Pickler):
         # Fast path for the common case (a small, plain, dense, contiguous CPU tensor):
         # every torch call costs microseconds when caches are cold between messages,
         # so it makes as few as it can.
+        if hooks.cpu_routed and t.device.type == "cpu":
+            routed = self._reduce_routed_cpu_tensor(t)
+            if routed is not None:
+                return routed
         if (type(t) is torch.Tensor and t.layout is torch.strided and t.is_cpu
                 and not t.requires_grad and t.is_contiguous() and not t.is_quantized
                 and not (t.is_conj() or t.is_neg())):
@@ -241,25 +245,56 @@ class _RpcPickler(pickle.Pickler):
         self.tensors.append(data)
         return _rebuild_tensor, (index, t.dtype, tuple(t.shape), t.requires_grad, cls)
 
+    @staticmethod
+    def _route(device: torch.device) -> torch.device | None:
+        """Where a tensor on ``device`` lands at this message's destination: a call
+        through this worker's map, a reply through the inverse of the caller's, a
+        one-way message (a backward pass's gradients, which go back along a tensor's
+        forward path, either way) through whichever covers it.  None: no map does."""
+        send = _tls.send
+        router = hooks.device_router
+        if send is None or router is None:
+            return None
+        return router(send.dest, True if send.request else False if send.reply else None,
+                      device)
+
+    def _reduce_routed_cpu_tensor(self, t: torch.Tensor):
+        """A CPU tensor under a map that names the CPU: onto the mapped device, or None
+        (no map covers it: an ordinary CPU tensor)."""
+        send = _tls.send
+        if t.requires_grad and send is not None and send.grad_ctx is not None:
+            return None  # recorded by distributed autograd, which sends t.detach() on
+        target = self._route(t.device)
+        if target is None or target.type == "cpu" or t.is_sparse or t.is_quantized \
+                or t.layout is not torch.strided:
+            return None
+        data = t.detach().resolve_conj().resolve_neg().contiguous()
+        index = len(self.tensors)
+        self.tensors.append(data)
+        return _rebuild_on_device, (index, t.dtype, tuple(t.shape), t.requires_grad,
+                                    str(target))
+
     def _reduce_device_tensor(self, t: torch.Tensor):
         """A CUDA tensor: through host memory, onto the device the map names."""
         send = _tls.send
-        target = None
-        router = hooks.device_router
-        if send is not None and router is not None:
-            # a call: this worker's map; a reply: the inverse of the caller's; a one-way
-            # message (a backward pass's gradients, which go back along a tensor's
-            # forward path, either way): whichever covers the device
-            target = router(send.dest, True if send.request else False if send.reply
-                            else None, t.device)
+        target = self._route(t.device)
         if target is None:
-            # torch's wording first: code ported from torch matches on it
+            # torch's wording first: code ported from torch matches on it ("Response
+            # device mapping is not available" for a reply, as torch says there)
+            reply = send is not None and send.reply
             raise SerializationError(
+                ("Response device mapping is not available for destination "
+                 f"worker rank {send.dest}: " if reply else "") +
                 "TensorPipe RPC backend only supports CPU tensors by default, please move "
                 "your tensors to CPU before sending them over RPC, or call `set_device_map` "
                 "on `TensorPipeRpcBackendOptions` to explicitly configure device mapping. "
                 f"Found tensor on device: {t.device} (no device map to worker rank "
                 f"{send.dest if send is not None else '?'} covers it)")
+        if target.type == "cuda" and hooks.device_ipc is not None \
+                and cuda_ipc.worth_sharing(t) and hooks.device_ipc(send.dest):
+            shared = cuda_ipc.reduce(t, target, t.requires_grad)
+            if shared is not None:
+                return shared
         data = t.detach().resolve_conj().resolve_neg().to("cpu").contiguous()
         index = len(self.tensors)
         self.tensors.append(data)
@@ -292,6 +327,8 @@ class _ClosurePickler(cloudpickle.Pickler):
     _reduce_special = _RpcPickler._reduce_special
     _reduce_tensor = _RpcPickler._reduce_tensor
     _reduce_device_tensor = _RpcPickler._reduce_device_tensor
+    _reduce_routed_cpu_tensor = _RpcPickler._reduce_routed_cpu_tensor
+    _route = _RpcPickler._route
     _reduce_script_function = _RpcPickler._reduce_script_function
 
 

@@ -60,9 +60,9 @@ _PLAIN_CODES = {d: i for i, d in enumerate(_PLAIN_DTYPES)}
 def plain_meta(t) -> tuple | None:
     """``(dtype number, shape)`` of a tensor that an internal message can carry as its
     raw bytes (a plain, dense, contiguous CPU tensor that needs no autograd), else
-    None (it must be pickled)."""
+    None (it must be pickled, as every tensor is when a device map names the CPU)."""
     if (type(t) is torch.Tensor and t.layout is torch.strided and t.is_cpu
-            and not t.requires_grad and t.is_contiguous()
+            and not hooks.cpu_routed and not t.requires_grad and t.is_contiguous()
             and not (t.is_conj() or t.is_neg())):
         code = _PLAIN_CODES.get(t.dtype)
         if code is not None:

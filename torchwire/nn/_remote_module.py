@@ -14,6 +14,11 @@ from .._agent.runtime import require_agent
 from .._base.errors import RpcStateError, SerializationError
 
 
+class RemoteDeviceError(ValueError, RuntimeError):
+    """A remote_device naming no valid device: a ``ValueError`` as for a malformed string,
+    and the ``RuntimeError`` torch's parser raises for the device part."""
+
+
 def _parse_remote_device(remote_device: str) -> tuple[str | int, str]:
     """``"worker1/cpu"``, ``"worker1"``, ``"rank:1/cuda:0"`` -> (worker name or rank, device).
 
@@ -32,8 +37,8 @@ def _parse_remote_device(remote_device: str) -> tuple[str | int, str]:
     try:
         dev = torch.device(device)
     except RuntimeError as exc:
-        raise ValueError(f"Could not parse remote_device: {remote_device}: invalid device "
-                         f"{device!r} ({exc})") from None
+        raise RemoteDeviceError(f"Could not parse remote_device: {remote_device}: invalid "
+                                f"device {device!r} ({exc})") from None
     if parts[0].startswith("rank:"):
         try:
             where = int(parts[0][len("rank:"):])

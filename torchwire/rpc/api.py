@@ -45,6 +45,15 @@ def _get_current_rpc_agent() -> Any:
     return require_agent(lookup=True)
 
 
+def _is_current_rpc_agent_set() -> bool:
+    """Whether this process has a running agent (torch's private check)."""
+    try:
+        require_agent(lookup=True)
+    except RuntimeError:
+        return False
+    return True
+
+
 def is_available() -> bool:
     """torchwire RPC is always available (it needs no special torch build)."""
     return True
