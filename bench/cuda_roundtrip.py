@@ -1,0 +1,101 @@
+"""CUDA round trip under a device map, torchwire against torch.distributed.rpc.
+
+Two processes on one GPU machine, ``cuda:0 -> cuda:0`` mapped both ways.  The caller
+sends a CUDA tensor; the callee returns a new one (``t * 2``, on its GPU); the caller
+synchronizes on the reply.  Rounds alternate the libraries; medians in ms.  Run on a
+machine with a GPU:  ``python bench/cuda_roundtrip.py [--sizes-mib 1 64 256] [--rounds 5]``.
+
+Not part of ``./run bench`` (CI has no GPU): its figures go in BENCHMARKS.md by hand.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import socket
+import statistics
+import time
+
+import torch
+import torch.multiprocessing as mp
+
+
+def double(t):
+    return t * 2
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank, lib, port, sizes, reps, queue):
+    if lib == "torchwire-host":  # torchwire with CUDA IPC off: through host memory
+        os.environ["TORCHWIRE_CUDA_IPC"] = "0"
+        lib = "torchwire"
+    rpc = importlib.import_module(f"{lib}.distributed.rpc" if lib == "torch" else f"{lib}.rpc")
+    opts = rpc.TensorPipeRpcBackendOptions(init_method=f"tcp://127.0.0.1:{port}",
+                                           rpc_timeout=120)
+    opts.set_device_map(f"w{1 - rank}", {0: 0})
+    rpc.init_rpc(f"w{rank}", rank=rank, world_size=2, rpc_backend_options=opts)
+    if rank == 0:
+        out = {}
+        for mib in sizes:
+            t = torch.ones(mib * 2**18, device="cuda:0")  # float32: 2**18 per MiB
+            rpc.rpc_sync("w1", double, args=(t,))  # warm: allocator, channels
+            times = []
+            for _ in range(reps):
+                torch.cuda.synchronize()
+                start = time.perf_counter()
+                y = rpc.rpc_sync("w1", double, args=(t,))
+                torch.cuda.synchronize()
+                times.append(time.perf_counter() - start)
+            assert y.device == t.device and float(y[-1]) == 2.0
+            out[mib] = statistics.median(times) * 1e3
+        queue.put(out)
+    rpc.shutdown()
+
+
+def one_round(lib: str, sizes, reps) -> dict:
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_worker, args=(r, lib, port, sizes, reps, queue))
+             for r in range(2)]
+    for p in procs:
+        p.start()
+    result = queue.get(timeout=300)
+    for p in procs:
+        p.join(60)
+    return result
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--sizes-mib", type=int, nargs="+", default=[1, 64, 256])
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--libs", default="torch,torchwire,torchwire-host",
+                    help="torchwire-host: torchwire with TORCHWIRE_CUDA_IPC=0")
+    args = ap.parse_args()
+    print(f"torch {torch.__version__}, {torch.cuda.get_device_name(0)}, "
+          f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'default')}")
+    libs = args.libs.split(",")
+    per = {lib: {m: [] for m in args.sizes_mib} for lib in libs}
+    for r in range(args.rounds):
+        for lib in (libs if r % 2 == 0 else libs[::-1]):
+            for mib, ms in one_round(lib, args.sizes_mib, args.reps).items():
+                per[lib][mib].append(ms)
+    for mib in args.sizes_mib:
+        torch_ms = statistics.median(per["torch"][mib]) if "torch" in per else None
+        for lib in libs:
+            ms = statistics.median(per[lib][mib])
+            ratio = f"  ratio {ms / torch_ms:5.2f}x" if torch_ms and lib != "torch" else ""
+            print(f"cuda t*2 round trip {mib:>4} MiB  {lib:15} {ms:8.2f} ms{ratio}  "
+                  f"rounds {[round(x, 2) for x in per[lib][mib]]}")
+
+
+if __name__ == "__main__":
+    main()
