@@ -231,3 +231,37 @@ def test_a_ddp_module_serves_one_context_at_a_time_and_keeps_grad():
     assert got["grads"] == got["again"]  # sum of 4 rows: weight 4s, bias 4s
     assert got["grad_inside"] == [True, True]  # .grad is the user's again once read
     assert got["kept"] == [True, True]
+
+
+def _join_then_free(rank: int, world_size: int, init_method: str):
+    """torch's DdpComparisonTest pattern: DDP's join() with uneven inputs under
+    distributed autograd, the group destroyed, the module freed; then shutdown."""
+    import gc
+
+    import torchwire.autograd as dist_autograd
+    import torchwire.rpc as rpc
+    from torchwire._autograd import ddp as _ddp
+
+    rpc.init_rpc(f"worker{rank}", rank=rank, world_size=world_size,
+                 rpc_backend_options=rpc.TensorPipeRpcBackendOptions(init_method=init_method))
+    dist.init_process_group("gloo", init_method=init_method + ".pg", rank=rank,
+                            world_size=world_size)
+    torch.manual_seed(rank)
+    ddp = DDP(nn.Linear(2, 3))
+    with ddp.join():
+        for _ in range(3 if rank == 0 else 1):
+            with dist_autograd.context() as cid:
+                dist_autograd.backward(cid, [ddp(torch.rand(3, 2)).norm()])
+    group = ddp.process_group
+    dist.destroy_process_group()
+    del ddp
+    gc.collect()
+    kept = any(g is group for g in _ddp._retired)  # the reducer did not free it
+    del group
+    rpc.shutdown()
+    return kept, len(_ddp._retired)
+
+
+def test_a_ddp_modules_group_outlives_it_until_shutdown():
+    got = run_world(_join_then_free, 2, init=False, timeout=90)
+    assert got == [(True, 0)] * 2

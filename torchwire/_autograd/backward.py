@@ -508,6 +508,7 @@ class AutogradContainer(ContextContainer):
         err = RpcStateError("RPC agent is shut down before the backward pass completed")
         for rec in list(self.passes.values()):
             rec.abort(_failure(self.rank, err, "", self.agent))
+        _ddp.release_groups()
 
     def rref_backward(self, rref, context_id: int, retain_graph: bool) -> None:
         """``RRef.backward``: from the owner, locally (``context_id == -1``) or distributed.

@@ -35,6 +35,14 @@ C, before C settles, adds into the lent ``.grad``, so into C.
 DDP modules are found at their forward: :func:`install` wraps
 ``DistributedDataParallel._pre_forward`` (torch's reducer has no Python hook of its
 own, and a global module hook would tax every module call).
+
+A registered module's process group is kept alive past the module, until the next
+module registers or the agent closes (:func:`release_groups`).  torch frees a DDP
+module's reducer holding the GIL; when the reducer holds the group's last reference,
+the gloo group's destructor joins its worker threads, and a worker still freeing a
+finished all-reduce whose tensor has a Python object (DDP's ``join()`` all-reduces
+tensors made in Python) waits for that GIL: a deadlock, seen under torch's own RPC
+too (docs/compat.md).  Later, the workers are idle and the join returns.
 """
 
 from __future__ import annotations
@@ -79,10 +87,15 @@ class _Module:
 
 
 _modules: dict[int, _Module] = {}  # id(DDP module) -> its record
+_groups: dict[int, object] = {}  # id(DDP module) -> its process group (see the top)
+_retired: list = []  # the groups of modules that are gone, until release_groups()
 
 
 def _forget(key: int) -> None:
     with lock:  # (an RLock: the collector may run this on a thread that holds it)
+        group = _groups.pop(key, None)
+        if group is not None:
+            _retired.append(group)  # not freed here: this may be the reducer's dealloc
         mod = _modules.pop(key, None)
         if mod is None:
             return
@@ -92,12 +105,24 @@ def _forget(key: int) -> None:
                 del by_param[k]
 
 
+def release_groups() -> None:
+    """Free the process groups of DDP modules that are gone (at a point where no
+    collective of theirs can still be finishing: a new module's forward, the agent's
+    close)."""
+    with lock:
+        retired = _retired[:]
+        _retired.clear()
+    del retired  # outside the lock: a group's destructor joins its threads
+
+
 def _register(ddp) -> _Module:
+    release_groups()
     with lock:
         key = id(ddp)
         mod = _modules.get(key)
         if mod is None:
             mod = _modules[key] = _Module(ddp)
+            _groups[key] = getattr(ddp, "process_group", None)
             weakref.finalize(ddp, _forget, key)
             for r, k in zip(mod.params, mod.keys):
                 by_param[k] = (r, mod)
