@@ -9,16 +9,13 @@ from __future__ import annotations
 
 import enum
 import threading
-from typing import TYPE_CHECKING
+from typing import Any
 
 from .._agent.future import Future
 from .._agent.runtime import current
 from .._agent.state import AgentState
 from .._base import threads
 from .._base.errors import RpcTimeoutError, not_initialized
-
-if TYPE_CHECKING:
-    from .context import RRefContext
 
 Id = tuple
 
@@ -27,8 +24,9 @@ def gid(i: Id) -> str:
     return f"GloballyUniqueId(created_on={i[0]}, local_id={i[1]})"
 
 
-def context() -> RRefContext:
-    """This process's RRef context.
+def context() -> Any:
+    """This process's RRef context (a ``context.RRefContext``: not imported here, which
+    would make records import the module that imports it).
 
     Raises:
         RpcStateError: RPC is not initialized ("Current RPC agent is not set", torch's
