@@ -78,6 +78,39 @@ def test_valid_maps_route_requests_and_replies_through_the_inverse():
     assert not _devices.Router("a", _records())
 
 
+def test_a_map_naming_the_cpu_routes_cpu_tensors_and_plain_messages_stand_aside():
+    from torchwire import _serialization as ser
+    from torchwire._serialization.hooks import hooks
+    routed = _devices.Router("a", _records({"b": {"cpu": "cuda:0"}}))
+    assert routed.routes_cpu and routed.target(1, True, torch.device("cpu")) == cuda
+    assert not _devices.Router("a", _records({"b": {"cuda:0": "cuda:0"}})).routes_cpu
+    assert not _devices.Router("a", _records({"b": {"cpu": "cpu"}})).routes_cpu
+    t = torch.ones(3)
+    assert ser.plain_meta(t) is not None
+    before = (hooks.device_router, hooks.cpu_routed, hooks.device_ipc)
+    try:
+        hooks.set_device_router(routed.target, cpu_routed=routed.routes_cpu)
+        assert ser.plain_meta(t) is None  # pickled, so that the pickler routes it
+        hooks.set_device_router(routed.target, cpu_routed=False)
+        assert ser.plain_meta(t) is not None
+    finally:
+        hooks.set_device_router(before[0], cpu_routed=before[1], ipc=before[2])
+
+
+def _ipc_record(rank, host="h", visible=None, ipc=True):
+    return WorkerRecord(f"w{rank}", rank, host, ("127.0.0.1", rank + 1),
+                        cuda_visible=visible, cuda_ipc=ipc)
+
+
+def test_cuda_ipc_only_to_other_willing_processes_of_this_host_with_the_same_gpus():
+    records = [_ipc_record(0), _ipc_record(1), _ipc_record(2, host="other"),
+               _ipc_record(3, visible="1,0"), _ipc_record(4, ipc=False)]
+    r = _devices.Router("w0", records)
+    assert [r.ipc(rank) for rank in range(5)] == [False, True, False, False, False]
+    unwilling = [_ipc_record(0, ipc=False), _ipc_record(1)]
+    assert not _devices.Router("w0", unwilling).ipc(1)
+
+
 def test_a_map_naming_missing_gpus_fails_init_on_every_worker_without_hanging():
     if torch.cuda.is_available() and torch.cuda.device_count() > 3:
         pytest.skip("this machine has the GPUs the map names")
