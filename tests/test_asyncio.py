@@ -278,3 +278,17 @@ def body_async_def_in_autograd_context():
 def test_an_async_def_runs_in_the_callers_autograd_context(world):
     value, grad = world.run(0, body_async_def_in_autograd_context)
     assert value == [6.0, 6.0] and grad == [6.0, 6.0]
+
+
+# ---------------------------------------------------------------- first calls
+
+def body_first_calls_race_the_import():
+    import _slow_import_target as target
+    futs = [rpc.rpc_async("worker3", target.triple, args=(i,)) for i in range(16)]
+    return [f.wait() for f in futs]
+
+
+def test_concurrent_first_calls_wait_for_the_module_import(world):
+    # worker3 has not imported the module: 16 requests run on its pool at once, and
+    # each must wait for the import the first one started (not find it half done)
+    assert world.run(0, body_first_calls_race_the_import) == [3 * i for i in range(16)]

@@ -269,9 +269,11 @@ def plain_call_decode(payload, tensors) -> tuple:
     module, name, cid, descs = plain_body(payload, 4)
     try:
         mod = sys.modules.get(module)
-        if mod is None:
-            mod = importlib.import_module(module)
-        func = getattr(mod, name)
+        func = None if mod is None else getattr(mod, name, None)
+        if func is None:
+            # not imported yet, or still being imported by another thread (requests run
+            # in parallel): the import system waits for the module to finish
+            func = getattr(importlib.import_module(module), name)
     except (ImportError, AttributeError) as exc:
         raise SerializationError(
             f"cannot unpickle message: {type(exc).__name__}: {exc} (the RPC pickler does "
