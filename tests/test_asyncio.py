@@ -280,6 +280,119 @@ def test_an_async_def_runs_in_the_callers_autograd_context(world):
     assert value == [6.0, 6.0] and grad == [6.0, 6.0]
 
 
+# ---------------------------------------------------------------- asyncio's future interface
+
+def body_futures_are_asyncio_futures():
+    outside = asyncio.isfuture(rpc.rpc_async("worker1", add, args=(0, 0)))
+    fresh_loop = asyncio.new_event_loop()
+    try:  # a loop not yet running wraps it in a task, as before
+        by_run_until_complete = fresh_loop.run_until_complete(
+            rpc.rpc_async("worker1", add, args=(2, 2)))
+    finally:
+        fresh_loop.close()
+
+    async def main():
+        out = {"outside": outside, "run_until_complete": by_run_until_complete}
+        loop_thread = threading.get_ident()
+        fast = rpc.rpc_async("worker1", add, args=(1, 1))
+        slow = rpc.rpc_async("worker2", sleep_then, args=(0.5, "slow"))
+        out["isfuture"] = asyncio.isfuture(fast)
+        # gather takes the futures as they are: no task per future
+        gathered = asyncio.gather(*[rpc.rpc_async("worker3", add, args=(i, 1))
+                                    for i in range(200)])
+        out["tasks_while_gathering"] = len(asyncio.all_tasks())
+        out["gather"] = await gathered
+        done, pending = await asyncio.wait({fast, slow},
+                                           return_when=asyncio.FIRST_COMPLETED)
+        out["first_completed"] = (done == {fast}, pending == {slow})
+        out["shield"] = await asyncio.shield(slow)
+        # a callback added on the loop runs on the loop, with the future
+        seen = []
+        cb_fut = rpc.rpc_async("worker1", add, args=(3, 4))
+        ran = asyncio.Event()
+        cb_fut.add_done_callback(
+            lambda f: (seen.append((threading.get_ident() == loop_thread, f.result())),
+                       ran.set()))
+        removed = rpc.rpc_async("worker1", add, args=(5, 5))
+        never = []
+
+        def never_runs(f):
+            never.append(f)
+        removed.add_done_callback(never_runs)
+        out["removed"] = removed.remove_done_callback(never_runs)
+        await ran.wait()
+        await removed
+        await asyncio.sleep(0)  # a removed callback that still ran would have by now
+        out["callback"] = (seen, never)
+        # cancelling a gather cancels its futures: waiting stops at once, and the
+        # calls' late replies complete the torch side
+        late = rpc.rpc_async("worker1", sleep_then, args=(0.4, "late"))
+        gather = asyncio.gather(late, rpc.rpc_async("worker2", sleep_then, args=(0.4, 1)))
+        await asyncio.sleep(0.05)
+        t0 = time.monotonic()
+        gather.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await gather
+        out["gather_cancel_s"] = time.monotonic() - t0
+        out["late_cancelled"] = late.cancelled()
+        with pytest.raises(asyncio.CancelledError):
+            late.result()
+        with pytest.raises(asyncio.CancelledError):
+            await late
+        # wait_for's timeout cancels the future it was given
+        timed = rpc.rpc_async("worker3", sleep_then, args=(0.4, "timed"))
+        with pytest.raises(asyncio.TimeoutError):
+            await asyncio.wait_for(timed, 0.05)
+        out["timed_cancelled"] = timed.cancelled()
+        return out, late, timed
+    out, late, timed = asyncio.run(main())
+    out["late_torch_side"] = late.wait()  # the reply came, nothing broke
+    out["timed_torch_side"] = timed.wait()
+    out["settled"] = wait_until(lambda: pending_calls() == 0, 10)
+    return out
+
+
+def test_futures_are_asyncio_futures_inside_a_loop(world):
+    out = world.run(0, body_futures_are_asyncio_futures)
+    assert out["outside"] is False and out["isfuture"] is True
+    assert out["run_until_complete"] == 4
+    assert out["tasks_while_gathering"] == 1  # the main task only
+    assert out["gather"] == [i + 1 for i in range(200)]
+    assert out["first_completed"] == (True, True) and out["shield"] == "slow"
+    assert out["callback"] == ([(True, 7)], []) and out["removed"] == 1
+    assert out["gather_cancel_s"] < 0.3 and out["late_cancelled"]
+    assert out["timed_cancelled"]
+    assert out["late_torch_side"] == "late" and out["timed_torch_side"] == "timed"
+    assert out["settled"]
+
+
+def _open_fds() -> int:
+    import os
+    return len(os.listdir("/proc/self/fd"))
+
+
+def body_loops_come_and_go():
+    import gc
+
+    async def one(i):
+        return await rpc.rpc_async("worker1", add, args=(i, 1))
+    asyncio.run(one(0))  # anything created once per process, created
+    gc.collect()
+    before = _open_fds()
+    values = [asyncio.run(one(i)) for i in range(30)]
+
+    def back_to_before():
+        gc.collect()  # a loop is freed by the collector (it refers to itself)
+        return _open_fds() <= before
+    return values, wait_until(back_to_before, 10), before, _open_fds()
+
+
+def test_each_loop_gets_its_own_waker_and_closing_it_leaks_nothing(world):
+    values, settled, before, after = world.run(0, body_loops_come_and_go)
+    assert values == [i + 1 for i in range(30)]
+    assert settled, (before, after)
+
+
 # ---------------------------------------------------------------- first calls
 
 def body_first_calls_race_the_import():

@@ -10,24 +10,27 @@ torch's future does.
 
 It is also awaitable: ``await fut`` in a running asyncio loop suspends the
 coroutine until the future is done, without blocking the loop's thread, and gives
-the value or raises the error, as :meth:`Future.wait` would.  Cancelling the
-awaiting task stops the wait at once; the call itself goes on and its late reply
-completes the future, which nothing reads.
+the value or raises the error, as :meth:`Future.wait` would.  Inside a running loop
+it is an asyncio future too (``asyncio.gather``, ``wait``, ``wait_for`` take it as
+it is), and a callback added there runs on that loop.  Cancelling the awaiting task,
+or the future, stops the wait at once; the call itself goes on and its late reply
+completes the future's torch side, which nothing reads (``awaiting.py``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import copy
+import functools
 import logging
 import threading
-import weakref
 from typing import Any
 
 import torch
 
 from .._base import threads as _threads
 from .._base.errors import CallbackError, RpcStateError
+from .awaiting import AsyncioFuture
 from .runtime import current
 
 log = logging.getLogger("torchwire")
@@ -56,7 +59,7 @@ class Deferred:
         self.future = future
 
 
-class Future(torch.futures.Future):
+class Future(AsyncioFuture, torch.futures.Future):
     """A :class:`torch.futures.Future` whose callbacks stay off I/O threads."""
 
     def then(self, callback):
@@ -78,10 +81,19 @@ class Future(torch.futures.Future):
         self._queue(run)
         return child
 
-    def add_done_callback(self, callback) -> None:
+    def add_done_callback(self, callback, *, context=None) -> None:
+        """Run ``callback(fut)`` once done.  Added from a thread that runs an asyncio
+        loop, it runs on that loop, as an asyncio future's callback does (in
+        ``context``, if given); otherwise as torch's, off I/O threads."""
         if not callable(callback):
             raise TypeError(f"add_done_callback(): incompatible function arguments: callback "
                             f"must be callable, got {type(callback).__name__}")
+        loop = asyncio._get_running_loop()
+        if loop is not None:
+            self._add_asyncio_callback(loop, callback, context)
+            return
+        if context is not None:
+            callback = functools.partial(context.run, callback)
 
         def run(fut):
             try:
@@ -130,16 +142,12 @@ class Future(torch.futures.Future):
         except BaseException as exc:
             raise _fresh(exc) from exc.__cause__
 
-    def __await__(self):
-        """``await fut``: the value, or raise the error, without blocking the loop."""
-        if not self.done():
-            yield from _wake_on_done(self).__await__()
-        return self.value()
+    done = torch._C.Future.done  # (torch's Python wrapper only calls it)
 
     def value(self):
         """The value, or raise the error (a copy, as :meth:`wait`)."""
         try:
-            return super().value()
+            return _c_value(self)
         except BaseException as exc:
             raise _fresh(exc) from exc.__cause__
 
@@ -184,60 +192,7 @@ class SyncReply:
 
 
 _queue_lock = threading.Lock()
-
-
-def _wake_on_done(fut: Future) -> asyncio.Future:
-    """An asyncio future of the running loop, set when ``fut`` is done.
-
-    The torch future's callback runs on whichever thread completes it (a reader,
-    the timer): it only queues the wake-up for the loop, which never blocks.
-    """
-    loop = asyncio.get_running_loop()
-    waiter = loop.create_future()
-    waker = _wakers.get(loop)
-    if waker is None:
-        waker = _wakers.setdefault(loop, _LoopWaker(loop))
-    fut._add_inline_callback(lambda _f: waker.wake(waiter))
-    return waiter
-
-
-class _LoopWaker:
-    """Wakes one loop's waiters from other threads, many with one ``call_soon_threadsafe``.
-
-    Every ``call_soon_threadsafe`` writes to the loop's self-pipe: with thousands of
-    calls awaited at once, replies arriving while a wake-up is already queued join it
-    instead (one system call and one loop turn for the lot).
-    """
-
-    __slots__ = ("_loop", "_lock", "_ready", "_armed", "__weakref__")
-
-    def __init__(self, loop) -> None:
-        self._loop = loop
-        self._lock = threading.Lock()
-        self._ready: list = []
-        self._armed = False
-
-    def wake(self, waiter: asyncio.Future) -> None:
-        with self._lock:
-            self._ready.append(waiter)
-            if self._armed:
-                return
-            self._armed = True
-        try:
-            self._loop.call_soon_threadsafe(self._drain)
-        except RuntimeError:  # the loop is closed: nothing waits any more
-            pass
-
-    def _drain(self) -> None:
-        with self._lock:
-            ready, self._ready = self._ready, []
-            self._armed = False
-        for waiter in ready:
-            if not waiter.done():  # a cancelled waiter stays cancelled
-                waiter.set_result(None)
-
-
-_wakers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_c_value = torch._C.Future.value
 
 
 def _drain(fut: Future) -> None:
