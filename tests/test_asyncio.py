@@ -393,6 +393,27 @@ def test_each_loop_gets_its_own_waker_and_closing_it_leaks_nothing(world):
     assert settled, (before, after)
 
 
+
+def body_blocking_calls_on_a_loop_thread():
+    async def main():
+        # Blocking calls inside a coroutine (discouraged: they block the loop, but
+        # torch-style code does it): torchwire's own waits must not depend on a
+        # callback that would run on this very loop.
+        t0 = time.monotonic()
+        owned_here = rpc.remote("worker0", sleep_then, args=(0.2, 5))
+        value = owned_here.to_here(timeout=10)
+        elsewhere = rpc.remote("worker1", sleep_then, args=(0.1, 6)).to_here(timeout=10)
+        chained = rpc.rpc_async("worker1", add, args=(1, 2)).then(lambda f: f.wait() * 2)
+        return value, elsewhere, chained.wait(), time.monotonic() - t0
+    return asyncio.run(main())
+
+
+def test_blocking_calls_inside_a_coroutine_still_return(world):
+    value, elsewhere, chained, elapsed = world.run(0, body_blocking_calls_on_a_loop_thread)
+    assert (value, elsewhere, chained) == (5, 6, 6)
+    assert elapsed < 5, elapsed  # not a timeout of a wait that could never end
+
+
 # ---------------------------------------------------------------- first calls
 
 def body_first_calls_race_the_import():

@@ -94,6 +94,10 @@ class Future(AsyncioFuture, torch.futures.Future):
             return
         if context is not None:
             callback = functools.partial(context.run, callback)
+        self._add_torch_callback(callback)
+
+    def _add_torch_callback(self, callback) -> None:
+        """``add_done_callback`` as torch's, from any thread (off I/O threads)."""
 
         def run(fut):
             try:
@@ -189,6 +193,16 @@ class SyncReply:
         if error is not None:
             raise _fresh(error) from error.__cause__
         return self._value
+
+
+def add_done_callback(fut, callback) -> None:
+    """``fut.add_done_callback(callback)`` with torch's semantics even on a thread that
+    runs an asyncio loop: torchwire's own callbacks, which code on that thread may
+    block waiting for (a blocking ``to_here`` in a coroutine)."""
+    if isinstance(fut, Future):
+        fut._add_torch_callback(callback)
+    else:
+        fut.add_done_callback(callback)
 
 
 _queue_lock = threading.Lock()

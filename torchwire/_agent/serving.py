@@ -37,7 +37,7 @@ from .._base.errors import (LinkError, ProtocolError, RemoteCallError, RpcStateE
                             SerializationError)
 from .._wire import frame as F
 from . import profiling
-from .future import Deferred
+from .future import Deferred, add_done_callback
 from .inline import InlineScheduler
 
 log = logging.getLogger("torchwire")
@@ -162,7 +162,7 @@ class Server:
                 check_future(func, fut)
                 with self._counters.lock:
                     self.async_active += 1
-                fut.add_done_callback(lambda f: self._async_done(conn, rid, f))
+                add_done_callback(fut, lambda f: self._async_done(conn, rid, f))
                 return
             result = func(*(args or ()), **(kwargs or {}))
             t = type(result)

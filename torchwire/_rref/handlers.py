@@ -14,7 +14,7 @@ import types
 
 from .. import _serialization as ser
 from .._agent import profiling
-from .._agent.future import Deferred, Future
+from .._agent.future import Deferred, Future, add_done_callback
 from .._agent.runtime import require_agent
 from .._base.asyncexec import ASYNC_ATTR, check_future, is_async
 from .._base.errors import RRefError
@@ -67,7 +67,7 @@ def remote_exec(rref_id, fork_id, caller: int, func, args, kwargs):
             return
         entry.future.set_result(result)
         reply.set_result(None)
-    later.add_done_callback(finish)
+    add_done_callback(later, finish)
     return Deferred(reply)
 
 
@@ -95,7 +95,7 @@ def _awaited(target) -> Future:
     entry = _entry_of(target)
     fut = entry.future
     if not fut.done():
-        fut.add_done_callback(lambda _f: entry)
+        add_done_callback(fut, lambda _f: entry)
     return fut
 
 
@@ -114,7 +114,7 @@ def type_of(value_future) -> Future:
             out.set_result(type(f.value()))
         except Exception as exc:
             out.set_exception(exc)
-    value_future.add_done_callback(fill)
+    add_done_callback(value_future, fill)
     return out
 
 
@@ -155,7 +155,7 @@ def proxy_invoke(rref, name: str, args, kwargs):
                         out.set_result(r.value())
                     except Exception as exc:
                         out.set_exception(exc)
-                result.add_done_callback(chain)
+                add_done_callback(result, chain)
                 return
             out.set_result(result)
         except Exception as exc:
@@ -165,7 +165,7 @@ def proxy_invoke(rref, name: str, args, kwargs):
     if fut.done():
         run(fut)
     else:
-        fut.add_done_callback(run)
+        add_done_callback(fut, run)
     return Deferred(out)
 
 

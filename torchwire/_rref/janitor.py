@@ -26,6 +26,7 @@ import queue
 import threading
 import time
 
+from .._agent.future import add_done_callback
 from .._base.errors import RpcTimeoutError
 from .handlers import rref_control
 from .records import ControlOp, Event, UserState, open_gate
@@ -166,7 +167,7 @@ class Janitor:
                 self._inflight -= 1
             log.debug("torchwire: RRef control to rank %d not sent: %s", dest, exc)
             return
-        fut.add_done_callback(lambda f: self._forks_done(f, dest, ops, attempt))
+        add_done_callback(fut, lambda f: self._forks_done(f, dest, ops, attempt))
 
     def _forks_done(self, fut, dest: int, ops: list, attempt: int) -> None:
         ctx = self._ctx

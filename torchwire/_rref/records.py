@@ -11,7 +11,7 @@ import enum
 import threading
 from typing import Any
 
-from .._agent.future import Future
+from .._agent.future import Future, add_done_callback
 from .._agent.runtime import current
 from .._agent.state import AgentState
 from .._base import threads
@@ -73,7 +73,7 @@ def wait_done(fut, timeout: float, what: str) -> None:
         RpcTimeoutError: it was not done in time ("RPC ran for more than set timeout").
     """
     done = threading.Event()
-    fut.add_done_callback(lambda _f: done.set())
+    add_done_callback(fut, lambda _f: done.set())
     if not done.is_set() and not threads.wait_blocking(done.wait, timeout):
         raise RpcTimeoutError(f"RPC ran for more than set timeout ({int(timeout * 1000)} ms) "
                               f"waiting for {what}")

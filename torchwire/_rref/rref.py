@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from .. import _serialization as ser
-from .._agent.future import Future
+from .._agent.future import Future, add_done_callback
 from .._agent.invoke import check_call, invoke_async
 from .._agent.runtime import current, require_runtime
 from .._base.errors import RpcTimeoutError, RRefError
@@ -272,7 +272,7 @@ class RRef:
                 self._type = f.value()
             except Exception:
                 pass
-        fut.add_done_callback(keep)
+        add_done_callback(fut, keep)
         self._type_future = fut
         if not blocking:
             return fut
