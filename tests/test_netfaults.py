@@ -245,3 +245,34 @@ def test_cut_link_honours_deadlines_and_a_restored_link_works_at_once(hosts):
         assert r["recovered"] < 5
         # connected again: UP, or SUSPECT while the heartbeat awaits the answer to a PING
         assert set(r["state"]) <= {"up", "suspect"}, r["state"]
+
+
+def _sum(t):
+    return float(t.sum())
+
+
+def test_a_transfer_longer_than_the_heartbeat_timeout_is_not_silence(hosts):
+    """worker0's link is limited to 32 Mbit/s, so a 16 MiB call takes about 4 s, four
+    heartbeat timeouts.  The receiver counts its reads; the sender, whose pings wait
+    behind the frame, counts its writes the receiver drained: neither declares the
+    other lost, and the call returns."""
+    import torch
+    subprocess.run(["ip", "netns", "exec", hosts.names[0], "tc", "qdisc", "add", "dev", "e0",
+                    "root", "tbf", "rate", "32mbit", "burst", "64kb", "latency", "4s"],
+                   check=True, capture_output=True, timeout=10)
+
+    def body(rank):
+        agent = rpc.api._get_current_rpc_agent()
+        out = {}
+        if rank == 0:
+            t0 = time.monotonic()
+            out["sum"] = rpc.rpc_sync("worker1", _sum, args=(torch.ones(4 << 20),),
+                                      timeout=60)
+            out["seconds"] = time.monotonic() - t0
+        out["down"] = sorted(agent.health.down())
+        return out
+
+    reports = _run(hosts, body, heartbeat_interval=0.25, heartbeat_timeout=1.0)
+    assert reports[0]["sum"] == 4 << 20
+    assert reports[0]["seconds"] > 2.0, reports  # the limit held: longer than the timeout
+    assert [r["down"] for r in reports] == [[], [], []], reports

@@ -28,7 +28,8 @@ look costs nothing.  One idle for an interval is *suspect*: it gets a PING (a
 agent); one silent for ``heartbeat_timeout`` means the peer is frozen or
 unreachable, and it is reported lost.  Both ends ping, so an idle pair
 exchanges one frame each way per interval.  A long transfer is not silence: the
-reader counts its progress.  A call's own timeout does not wait for the
+reader counts its progress, and the writer counts a full socket that drained (the
+peer is reading what we send).  A call's own timeout does not wait for the
 heartbeat: calls fail at their deadlines whatever the link's state.
 """
 
@@ -216,7 +217,7 @@ class PeerHealth:
         for c in conns:
             if c.closed:
                 continue
-            mark = c.frames_in + c.heartbeats_in + c.progress_in
+            mark = c.evidence
             old = self._seen.get(c)
             if old is None or old[0] != mark:
                 seen[c] = (mark, now)

@@ -7,10 +7,11 @@ same sizes again and again (parameters, activations, gradients), so a buffer
 whose tensor has been freed is kept and reused for the next tensor of a
 similar size — as torch's CUDA caching allocator does for device memory.
 
-How a buffer comes back: the pool keeps plain ``bytearray``s; each use lends a
-fresh ``memoryview`` of one to ``torch.frombuffer``.  When the last tensor or
-view over it is freed, torch releases the memoryview, and a weak-reference
-callback on it puts the bytearray back in the pool.  (A fresh view per use
+How a buffer comes back: the pool keeps blocks (anonymous mappings; ``bytearray``s
+where there are none); each use lends a fresh ``memoryview`` of one to
+``torch.frombuffer``.  When the last tensor or view over it is freed, torch
+releases the memoryview, and a weak-reference callback on it puts the block back
+in the pool.  (A fresh view per use
 matters: Python runs an object's finalizer at most once, so an object that
 resurrected itself from ``__del__`` would be lost on its second death.)  The
 pool is bounded (``MAX_CACHED_BYTES``): a returning buffer evicts the oldest
@@ -20,6 +21,7 @@ ones until it fits (one larger than the bound is freed).
 from __future__ import annotations
 
 import ctypes
+import mmap
 import threading
 import weakref
 
@@ -27,19 +29,20 @@ import torch
 
 MIN_POOLED = 128 << 10  # smaller ones come from torch's allocator (glibc's heap, warm)
 MAX_CACHED_BYTES = 1 << 30
+FAULT_CHUNK = 16 << 20  # fresh memory is faulted in and received this much at a time
 
 
 class _Pool:
     def __init__(self) -> None:
         self.lock = threading.RLock()  # a callback may run on a thread inside take()
-        self.blocks: list[bytearray] = []
+        self.blocks: list = []  # mmap.mmap (or bytearray) objects
         self.cached = 0
         self.limit = MAX_CACHED_BYTES
         self.hits = 0
         self.misses = 0
         self.leases: dict[int, tuple] = {}
 
-    def take(self, n: int) -> bytearray | None:
+    def take(self, n: int):
         with self.lock:
             best = None
             for i, b in enumerate(self.blocks):
@@ -54,7 +57,7 @@ class _Pool:
             self.cached -= len(block)
             return block
 
-    def lend(self, block: bytearray, n: int) -> memoryview:
+    def lend(self, block, n: int) -> memoryview:
         """A view of ``block`` whose death returns ``block`` to the pool."""
         view = memoryview(block)[:n]
         key = id(view)
@@ -82,14 +85,48 @@ class _Pool:
 _pool = _Pool()
 
 
-def receive_buffer(n: int) -> torch.Tensor:
-    """A ``uint8`` tensor of ``n`` bytes to receive into (contents undefined)."""
+def receive_buffer(n: int) -> tuple[torch.Tensor, bool]:
+    """A ``uint8`` tensor of ``n`` bytes to receive into (contents undefined), and
+    whether its memory is fresh: not faulted in yet (see :func:`prefault`)."""
     if n < MIN_POOLED:
-        return torch.empty(n, dtype=torch.uint8)
+        return torch.empty(n, dtype=torch.uint8), False
     block = _pool.take(n)
-    if block is None:
-        block = bytearray(n)  # zero-filled: pages faulted in one pass, not inside recv
-    return torch.frombuffer(_pool.lend(block, n), dtype=torch.uint8)
+    fresh = block is None
+    if fresh:
+        # An anonymous private mapping, faulted in by the receiver chunk by chunk.
+        # (``bytearray(n)`` zero-fills it holding the GIL: on a machine whose page
+        # faults were slow, a fresh 1 GiB buffer held every other thread of the
+        # process, and the reading of the connection, for longer than the heartbeat
+        # timeout; both peers declared the other frozen.)
+        block = (mmap.mmap(-1, n, flags=_MAP_FLAGS) if _MAP_FLAGS is not None
+                 else bytearray(n))
+        fresh = _MAP_FLAGS is not None
+    return torch.frombuffer(_pool.lend(block, n), dtype=torch.uint8), fresh
+
+
+def prefault(view: memoryview) -> None:
+    """Fault in the pages of ``view`` in one pass, by a torch op that releases the
+    GIL (a fault taken inside ``recv`` or ``process_vm_readv`` costs more)."""
+    if view.nbytes:
+        torch.frombuffer(view, dtype=torch.uint8).fill_(0)
+
+
+def read_faulting(read_exact_into, view: memoryview, fresh: bool) -> None:
+    """``read_exact_into(view)``; into fresh memory, a chunk at a time, each faulted in
+    first: the connection keeps being read (and the peer's writes drain) while a large
+    buffer is faulted in, so neither side looks frozen to the heartbeat."""
+    if not fresh:
+        read_exact_into(view)
+        return
+    n = view.nbytes
+    for off in range(0, n, FAULT_CHUNK):
+        part = view[off:off + FAULT_CHUNK]
+        prefault(part)
+        read_exact_into(part)
+
+
+_MAP_FLAGS = (mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
+              if hasattr(mmap, "MAP_ANONYMOUS") and hasattr(mmap, "MAP_PRIVATE") else None)
 
 
 def pool_stats() -> dict:

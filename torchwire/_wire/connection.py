@@ -96,10 +96,19 @@ class Connection:
                 f"queued={len(self._writer.queue)}>")
 
     @property
+    def evidence(self) -> int:
+        """What shows the peer alive, as a count that grows: frames and heartbeats
+        received, reads of large frames in progress, and writes the peer made room for
+        (a full socket that drained)."""
+        return (self.frames_in + self.heartbeats_in + self.progress_in
+                + self._writer.progress_out)
+
+    @property
     def silent(self) -> bool:
-        """Nothing has arrived since the heartbeat found the connection silent."""
+        """Nothing has arrived (nor drained) since the heartbeat found the connection
+        silent."""
         mark = self.silent_mark
-        return mark is not None and mark == self.frames_in + self.heartbeats_in + self.progress_in
+        return mark is not None and mark == self.evidence
 
     @property
     def frames_out(self) -> int:

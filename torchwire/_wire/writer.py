@@ -106,6 +106,9 @@ class Writer:
         self.fd_frames = 0  # frames in the queue that carry descriptors
         self.frames_out = 0
         self.bytes_out = 0
+        # Liveness evidence: waits for a full socket that ended with room (the peer
+        # read): a long write is not a silent peer.
+        self.progress_out = 0
         self._peer = peer_rank
         self._sock = sock
         self._defer = defer
@@ -115,7 +118,7 @@ class Writer:
         # plain socket takes them all in one sendmsg.
         tls = getattr(sock, "sendall_parts", None)
         self._sendall = ((lambda parts, deadline=None: tls(parts)) if tls is not None
-                         else partial(_sendall, sock))
+                         else partial(_sendall, sock, counter=self))
 
     def enqueue(self, parts: list, tensors, size: int, deadline: float | None = None) -> None:
         """Write one frame's ``parts`` (``size`` bytes; ``tensors`` alive until written),
@@ -335,10 +338,11 @@ def _sendall_late(sock, parts, start, end, anc, deadline) -> None:
 
 
 def _sendall(sock: socket.socket, parts: list, deadline: float | None = None,
-             anc=None) -> None:
+             anc=None, counter=None) -> None:
     """Write every part, in order, with as few ``sendmsg`` calls as the kernel allows
     (``anc``: ancillary data for the first one).  Each call is non-blocking; a full
-    socket is waited for until ``deadline`` (None: as long as it takes).
+    socket is waited for until ``deadline`` (None: as long as it takes), and each
+    wait that ends with room counts in ``counter.progress_out``.
 
     Raises:
         _Late: ``deadline`` passed; ``rest`` is what was not written (nothing lost:
@@ -375,6 +379,8 @@ def _sendall(sock: socket.socket, parts: list, deadline: float | None = None,
                 late = _Late(parts[i:])
                 late.fds, late.anc = 0, anc
                 raise late
+            if counter is not None:
+                counter.progress_out += 1
 
 
 def _wait_writable(sock: socket.socket, deadline: float | None) -> bool:

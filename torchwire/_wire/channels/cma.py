@@ -33,7 +33,7 @@ import sys
 
 from ..._base.errors import ProtocolError
 from .. import frame as F
-from ..buffers import receive_buffer
+from ..buffers import byte_view, prefault, receive_buffer
 from . import Channel, OutFrame, register
 
 
@@ -133,7 +133,9 @@ class CmaChannel(Channel):
 
     def decode(self, conn, rx, n: int):
         addr, token = rx.read_ref(F.REMOTE_REF)
-        t = receive_buffer(n)
+        t, fresh = receive_buffer(n)
+        if fresh:
+            prefault(byte_view(t, n))
         try:
             read(self.pid, addr, t.data_ptr(), n)
         except OSError as exc:

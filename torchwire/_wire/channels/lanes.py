@@ -34,7 +34,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from ..._base.errors import ConnectionClosedError, LinkError, ProtocolError
 from .. import frame as F
-from ..buffers import byte_view, receive_buffer
+from ..buffers import byte_view, read_faulting, receive_buffer
 from . import Channel, OutFrame, register
 
 log = logging.getLogger("torchwire")
@@ -46,10 +46,10 @@ _ALIGN = 4096  # the split falls on a page boundary
 
 
 class _Transfer:
-    __slots__ = ("tensor", "view", "parts", "error", "done")
+    __slots__ = ("tensor", "fresh", "view", "parts", "error", "done")
 
     def __init__(self, n: int) -> None:
-        self.tensor = receive_buffer(n)
+        self.tensor, self.fresh = receive_buffer(n)
         self.view = byte_view(self.tensor, n)
         self.parts = 0
         self.error: BaseException | None = None
@@ -174,7 +174,7 @@ class LaneChannel(Channel):
         if split > n:
             raise ProtocolError("malformed split buffer")
         tr = self.registry.get(conn.peer_rank, tid, n)
-        rx.read_exact_into(tr.view[:split])
+        read_faulting(rx.read_exact_into, tr.view[:split], tr.fresh)
         if not self.registry.part_done(conn.peer_rank, tid, tr):
             rx.deliver()  # what is complete goes on before this waits
             while not tr.done.wait(_WAIT_S):
@@ -198,7 +198,7 @@ class LaneChannel(Channel):
         if split > total or lens[0] != total - split or total > conn.max_message_size:
             raise ProtocolError("malformed DATA frame")
         tr = self.registry.get(conn.peer_rank, tid, total)
-        rx.read_exact_into(tr.view[split:])
+        read_faulting(rx.read_exact_into, tr.view[split:], tr.fresh)
         self.registry.part_done(conn.peer_rank, tid, tr)
 
     def reader_done(self, conn, exc: BaseException) -> None:

@@ -9,7 +9,7 @@ buffer the reader receives straight into a tensor's storage).
 
 from __future__ import annotations
 
-from ..buffers import byte_view, receive_buffer
+from ..buffers import byte_view, read_faulting, receive_buffer
 from . import Channel
 
 
@@ -21,9 +21,9 @@ class SocketChannel(Channel):
         return True
 
     def decode(self, conn, rx, n: int):
-        t = receive_buffer(n)
+        t, fresh = receive_buffer(n)
         if n:
-            rx.read_exact_into(byte_view(t, n))
+            read_faulting(rx.read_exact_into, byte_view(t, n), fresh)
         return t
 
 
