@@ -105,6 +105,19 @@ def _run(world: int, late=(), victim=None, timeout: float = 100.0) -> list:
     return out
 
 
+def _failures(failed: list, elapsed: float) -> str:
+    """Every failed rank on a line of its own (a list's repr is cut short by pytest),
+    the first one's traceback in full."""
+    lines = [f"{len(failed)} of {WORLD} workers failed after {elapsed:.1f} s:"]
+    for rank, status, detail in failed:
+        last = detail.strip().splitlines()[-1] if isinstance(detail, str) and detail else ""
+        lines.append(f"  rank {rank}: {status} {last}")
+    first = failed[0][2]
+    if isinstance(first, str):
+        lines.append(f"rank {failed[0][0]}:\n{first}")
+    return "\n".join(lines)
+
+
 def _named_gone(messages: list[str]) -> set[str]:
     return {name for m in messages for g in GONE.findall(m) for name in g.split(", ")}
 
@@ -114,7 +127,7 @@ def test_32_workers_call_a_neighbour_and_shut_down_without_a_gone_warning():
     results = _run(WORLD, late=range(1, WORLD, 2))
     elapsed = time.monotonic() - t0
     failed = [(rank, r[0], r[1]) for rank, r in enumerate(results) if r[0] != "ok"]
-    assert not failed, failed
+    assert not failed, _failures(failed, elapsed)
     assert [r[3] for r in results] == [0] * WORLD
     warned = {rank: _named_gone(r[2]) for rank, r in enumerate(results) if _named_gone(r[2])}
     assert not warned, f"live workers reported gone: {warned}"
