@@ -216,7 +216,11 @@ def test_a_thousand_concurrent_async_def_calls_take_about_one_sleep(world):
 def body_cancel_and_deadlines():
     async def main():
         out = {}
-        task = asyncio.ensure_future(rpc.rpc_async("worker1", sleep_then, args=(1.0, "late")))
+        async def awaiting(fut):
+            return await fut
+        # a task awaiting the future (ensure_future of the future alone returns it)
+        task = asyncio.ensure_future(
+            awaiting(rpc.rpc_async("worker1", sleep_then, args=(1.0, "late"))))
         await asyncio.sleep(0.05)
         t0 = time.monotonic()
         task.cancel()
