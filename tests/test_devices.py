@@ -304,6 +304,11 @@ def test_turning_cuda_ipc_off_sends_cuda_tensors_through_host_memory():
     assert ok and shared == 0
 
 
+def bump(t):
+    t += 1
+    return t
+
+
 def _self_call_body(rank, world_size, init_method):
     """A worker's call to itself with a large CUDA tensor (no IPC to itself)."""
     from _cluster import options
@@ -311,14 +316,21 @@ def _self_call_body(rank, world_size, init_method):
     opts.set_device_map(f"worker{rank}", {0: 0})
     opts.set_device_map(f"worker{1 - rank}", {0: 0})
     rpc.init_rpc(f"worker{rank}", rank=rank, world_size=world_size, rpc_backend_options=opts)
+    from torchwire._serialization import cuda_ipc
     x = torch.ones(2**20, device="cuda:0")
     y = rpc.rpc_sync(f"worker{rank}", fresh_times, args=(x, 2))
     z = rpc.remote(f"worker{rank}", fresh_times, args=(x, 3)).to_here()
+    view = torch.arange(2**20, device="cuda:0", dtype=torch.float64).view(1024, -1)[:, ::2]
+    w = rpc.rpc_sync(f"worker{rank}", fresh_times, args=(view, 1))
+    bumped = rpc.rpc_sync(f"worker{rank}", bump, args=(x,))  # the callee's own copy
+    same = torch.equal(w, view) and float(x.sum()) == 2**20 and float(bumped.sum()) == 2**21
     rpc.shutdown()
-    return float(y.sum()), float(z.sum())
+    # each of the 4 requests and 3 replies stayed on the device (remote()'s value
+    # stays with its owner, the caller)
+    return float(y.sum()), float(z.sum()), same, cuda_ipc.local_count >= 7
 
 
 @needs_gpu
-def test_a_workers_call_to_itself_carries_large_cuda_tensors():
+def test_a_workers_call_to_itself_carries_large_cuda_tensors_on_the_device():
     assert run_world(_self_call_body, 2, init=False, timeout=90, spawn=True) == \
-        [(2.0 * 2**20, 3.0 * 2**20)] * 2
+        [(2.0 * 2**20, 3.0 * 2**20, True, True)] * 2

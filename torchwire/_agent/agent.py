@@ -338,7 +338,8 @@ class RpcAgent:
         self.limits.reset()
         router = devices.Router(self.name, [m.record for m in self.names.members()])
         ser.hooks.set_device_router(router.target if router else None,
-                                        cpu_routed=router.routes_cpu, ipc=router.ipc)
+                                        cpu_routed=router.routes_cpu, ipc=router.ipc,
+                                        here=router.rank)
         self._share_host()
 
     def _share_host(self) -> None:

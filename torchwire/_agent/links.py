@@ -128,6 +128,9 @@ class LoopbackConnection:
     def send_frame(self, kind, flags, request_id, payload, tensors=(), deadline=None) -> None:
         copies = [t.reshape(-1).view(torch.uint8).clone() if t.numel() else
                   torch.empty(0, dtype=torch.uint8) for t in tensors]
+        for c in copies:
+            if c.is_cuda:  # a CUDA tensor to oneself, cloned on this thread's stream:
+                torch.cuda.current_stream(c.device).synchronize()  # done before the callee
         self._on_frames(self, [(kind, flags, request_id, payload, copies)], False)
 
     def close(self, reason=None) -> None:

@@ -117,6 +117,7 @@ class Router:
         self._out: dict[int, dict] = {}  # dest rank -> my map to it (requests)
         self._back: dict[int, dict] = {}  # dest rank -> inverse of its map to me (replies)
         me = next((r for r in records if r.name == my_name), None)
+        self.rank = me.rank if me is not None else -1
         mine = me.device_maps if me is not None else {}
         # another process of this kernel, the same GPUs under the same indices, both
         # willing: CUDA IPC (a process cannot open its own memory's IPC handle)

@@ -81,7 +81,8 @@ def start(name: str, rank: int, world_size: int | None, options) -> Runtime:
             warn_if_unauthenticated(records, auth, rank)
             router = devices.Router(name, records)
             ser.hooks.set_device_router(router.target if router else None,
-                                        cpu_routed=router.routes_cpu, ipc=router.ipc)
+                                        cpu_routed=router.routes_cpu, ipc=router.ipc,
+                                        here=router.rank)
             agent = RpcAgent(name, rank, world_size, options, store, store_host, listener,
                              records, auth.bind(job))
         except BaseException:

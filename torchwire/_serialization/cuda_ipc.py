@@ -16,6 +16,9 @@ it and from it (a container without a shared IPC namespace, say).
 The reference counter is released by the receiver's unpickling: a message that is
 shared and never unpickled (its receiver died first) keeps the sender's block until
 the sender exits.
+
+A worker's call to itself cannot open its own handle: its CUDA tensors stay on the
+device (:func:`local`), and the loopback connection copies them there.
 """
 
 from __future__ import annotations
@@ -26,6 +29,15 @@ from .._base.errors import SerializationError
 
 MIN_BYTES = 1 << 18  # 256 KiB
 shared_count = 0  # tensors this process shared (tests check the path was taken)
+local_count = 0  # CUDA tensors this process sent to itself without leaving the device
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s data for a message to this same process: dense, on its device (the
+    loopback connection clones it)."""
+    global local_count
+    local_count += 1
+    return t.detach().resolve_conj().resolve_neg().contiguous()
 
 
 def worth_sharing(t: torch.Tensor) -> bool:

@@ -84,7 +84,8 @@ class Hooks:
     ``device_router``.
     """
 
-    __slots__ = ("autograd", "rref", "device_router", "cpu_routed", "device_ipc", "_reducers",
+    __slots__ = ("autograd", "rref", "device_router", "cpu_routed", "device_ipc", "device_here",
+                 "_reducers",
                  "_handlers", "_decoders", "_kinds", "_on_reducers")
 
     def __init__(self) -> None:
@@ -93,6 +94,7 @@ class Hooks:
         self.device_router: DeviceRouter | None = None
         self.cpu_routed = False  # some map names "cpu": CPU tensors are routed too
         self.device_ipc: Callable[[int], bool] | None = None  # rank -> shares CUDA memory
+        self.device_here = -1  # this worker's rank: its calls to itself copy on the device
         self._reducers: dict[type, Callable[[Any], Any]] = {}
         self._handlers: dict[int, PlainHandler] = {}
         self._decoders: dict[int, PlainDecoder] = {}
@@ -137,14 +139,16 @@ class Hooks:
         self.rref = codec
 
     def set_device_router(self, router: DeviceRouter | None, cpu_routed: bool = False,
-                          ipc: Callable[[int], bool] | None = None) -> None:
+                          ipc: Callable[[int], bool] | None = None, here: int = -1) -> None:
         """Where a CUDA tensor goes (``router(dest rank, is request, device)``); None:
         no device maps, CUDA tensors are refused.  ``cpu_routed``: a map names the CPU
         (``{"cpu": 0}``), so CPU tensors ask the router too, and no message is plain.
-        ``ipc(dest rank)``: whether CUDA tensors to it travel by CUDA IPC."""
+        ``ipc(dest rank)``: whether CUDA tensors to it travel by CUDA IPC.  ``here``:
+        this worker's rank, whose CUDA tensors to itself stay on the device."""
         self.device_router = router
         self.cpu_routed = cpu_routed and router is not None
         self.device_ipc = ipc if router is not None else None
+        self.device_here = here if router is not None else -1
 
     # ------------------------------------------------------------------ plain kinds
 

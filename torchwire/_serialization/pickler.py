@@ -290,6 +290,14 @@ class _RpcPickler(pickle.Pickler):
                 "on `TensorPipeRpcBackendOptions` to explicitly configure device mapping. "
                 f"Found tensor on device: {t.device} (no device map to worker rank "
                 f"{send.dest if send is not None else '?'} covers it)")
+        if target.type == "cuda" and send is not None and send.dest == hooks.device_here:
+            # a call to oneself: the loopback copies it on the device, the rebuild
+            # moves it to ``target`` if that is another GPU
+            data = cuda_ipc.local(t)
+            index = len(self.tensors)
+            self.tensors.append(data)
+            return _rebuild_on_device, (index, t.dtype, tuple(t.shape), t.requires_grad,
+                                        str(target))
         if target.type == "cuda" and hooks.device_ipc is not None \
                 and cuda_ipc.worth_sharing(t) and hooks.device_ipc(send.dest):
             shared = cuda_ipc.reduce(t, target, t.requires_grad)
