@@ -32,12 +32,24 @@ def _free_port() -> int:
 
 
 def _worker(rank, lib, port, sizes, reps, queue):
+    try:
+        _measure(rank, lib, port, sizes, reps, queue)
+    except Exception as exc:  # the parent reports it rather than waiting
+        queue.put({"error": f"{lib} rank {rank}: {exc!r}"})
+        raise
+
+
+def _measure(rank, lib, port, sizes, reps, queue):
+    extra = {}
     if lib == "torchwire-host":  # torchwire with CUDA IPC off: through host memory
         os.environ["TORCHWIRE_CUDA_IPC"] = "0"
         lib = "torchwire"
+    elif lib == "torch-host":  # TensorPipe's channel between hosts: through host memory
+        extra = {"_channels": ["basic", "cuda_basic"]}
+        lib = "torch"
     rpc = importlib.import_module(f"{lib}.distributed.rpc" if lib == "torch" else f"{lib}.rpc")
     opts = rpc.TensorPipeRpcBackendOptions(init_method=f"tcp://127.0.0.1:{port}",
-                                           rpc_timeout=120)
+                                           rpc_timeout=120, **extra)
     opts.set_device_map(f"w{1 - rank}", {0: 0})
     rpc.init_rpc(f"w{rank}", rank=rank, world_size=2, rpc_backend_options=opts)
     if rank == 0:
@@ -69,6 +81,10 @@ def one_round(lib: str, sizes, reps) -> dict:
     result = queue.get(timeout=300)
     for p in procs:
         p.join(60)
+        if p.is_alive():
+            p.kill()
+    if "error" in result:
+        raise RuntimeError(result["error"])
     return result
 
 
@@ -77,8 +93,10 @@ def main() -> None:
     ap.add_argument("--sizes-mib", type=int, nargs="+", default=[1, 64, 256])
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--reps", type=int, default=10)
-    ap.add_argument("--libs", default="torch,torchwire,torchwire-host",
-                    help="torchwire-host: torchwire with TORCHWIRE_CUDA_IPC=0")
+    ap.add_argument("--libs", default="torch,torchwire,torch-host,torchwire-host",
+                    help="torchwire-host: torchwire with TORCHWIRE_CUDA_IPC=0; torch-host: "
+                         "torch with only TensorPipe's cuda_basic channel (through host "
+                         "memory, as between hosts)")
     args = ap.parse_args()
     print(f"torch {torch.__version__}, {torch.cuda.get_device_name(0)}, "
           f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'default')}")
@@ -89,10 +107,11 @@ def main() -> None:
             for mib, ms in one_round(lib, args.sizes_mib, args.reps).items():
                 per[lib][mib].append(ms)
     for mib in args.sizes_mib:
-        torch_ms = statistics.median(per["torch"][mib]) if "torch" in per else None
         for lib in libs:
+            ref = "torch-host" if lib.endswith("-host") else "torch"
+            torch_ms = statistics.median(per[ref][mib]) if ref in per else None
             ms = statistics.median(per[lib][mib])
-            ratio = f"  ratio {ms / torch_ms:5.2f}x" if torch_ms and lib != "torch" else ""
+            ratio = f"  ratio {ms / torch_ms:5.2f}x" if torch_ms and lib != ref else ""
             print(f"cuda t*2 round trip {mib:>4} MiB  {lib:15} {ms:8.2f} ms{ratio}  "
                   f"rounds {[round(x, 2) for x in per[lib][mib]]}")
 

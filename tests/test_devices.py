@@ -260,7 +260,7 @@ def _ipc_body(rank, world_size, init_method, ipc: str):
     the values are right, and both workers' allocated memory along the way."""
     import os
 
-    from torchwire._serialization import cuda_ipc
+    from torchwire._serialization import cuda_host, cuda_ipc
     os.environ["TORCHWIRE_CUDA_IPC"] = ipc
     _init_with_map(rank, world_size, init_method)
     result = None
@@ -275,7 +275,8 @@ def _ipc_body(rank, world_size, init_method, ipc: str):
             del y
             allocated.append((torch.cuda.memory_allocated(0),
                               rpc.rpc_sync("worker1", allocated_on_callee)))
-        result = (ok, cuda_ipc.shared_count, allocated[5], allocated[-1])
+        result = (ok, cuda_ipc.shared_count, allocated[5], allocated[-1],
+                  cuda_host.staged_count)
     rpc.shutdown()
     return result
 
@@ -290,18 +291,21 @@ def _ipc_off(rank, world_size, init_method):
 
 @needs_gpu
 def test_cuda_tensors_on_one_host_are_shared_by_cuda_ipc_and_released():
-    ok, shared, early, late = run_world(_ipc_on, 2, init=False, timeout=120, spawn=True)[0]
+    ok, shared, early, late, staged = run_world(_ipc_on, 2, init=False, timeout=120,
+                                                spawn=True)[0]
     assert ok
-    assert shared == 31  # every request's tensor; the replies were shared by worker1
+    # every request's tensor; the replies were shared by worker1
+    assert shared == 31 and staged == 0
     # blocks a receiver let go of are freed on both sides, not piled up: 24 more
     # round trips may leave at most one 64 MiB block waiting for its receiver
     assert late[0] <= early[0] + 2**26 and late[1] <= early[1] + 2**26
 
 
 @needs_gpu
-def test_turning_cuda_ipc_off_sends_cuda_tensors_through_host_memory():
-    ok, shared, _, _ = run_world(_ipc_off, 2, init=False, timeout=120, spawn=True)[0]
-    assert ok and shared == 0
+def test_turning_cuda_ipc_off_sends_cuda_tensors_through_pinned_host_memory():
+    ok, shared, _, _, staged = run_world(_ipc_off, 2, init=False, timeout=120, spawn=True)[0]
+    # every request staged on its way out, every reply on its way in
+    assert ok and shared == 0 and staged == 62
 
 
 def bump(t):
@@ -316,7 +320,7 @@ def _self_call_body(rank, world_size, init_method):
     opts.set_device_map(f"worker{rank}", {0: 0})
     opts.set_device_map(f"worker{1 - rank}", {0: 0})
     rpc.init_rpc(f"worker{rank}", rank=rank, world_size=world_size, rpc_backend_options=opts)
-    from torchwire._serialization import cuda_ipc
+    from torchwire._serialization import cuda_host, cuda_ipc
     x = torch.ones(2**20, device="cuda:0")
     y = rpc.rpc_sync(f"worker{rank}", fresh_times, args=(x, 2))
     z = rpc.remote(f"worker{rank}", fresh_times, args=(x, 3)).to_here()
@@ -327,10 +331,11 @@ def _self_call_body(rank, world_size, init_method):
     rpc.shutdown()
     # each of the 4 requests and 3 replies stayed on the device (remote()'s value
     # stays with its owner, the caller)
-    return float(y.sum()), float(z.sum()), same, cuda_ipc.local_count >= 7
+    return float(y.sum()), float(z.sum()), same, cuda_ipc.local_count >= 7, \
+        cuda_host.staged_count
 
 
 @needs_gpu
 def test_a_workers_call_to_itself_carries_large_cuda_tensors_on_the_device():
     assert run_world(_self_call_body, 2, init=False, timeout=90, spawn=True) == \
-        [(2.0 * 2**20, 3.0 * 2**20, True, True)] * 2
+        [(2.0 * 2**20, 3.0 * 2**20, True, True, 0)] * 2

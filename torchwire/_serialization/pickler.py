@@ -31,7 +31,7 @@ import cloudpickle
 import torch
 
 from .._base.errors import SerializationError, WorkerUnavailableError
-from . import closures, cuda_ipc
+from . import closures, cuda_host, cuda_ipc
 from .hooks import hooks
 from .state import grad as _grad
 from .state import tls as _tls
@@ -131,7 +131,11 @@ def _rebuild_strided(index: int, dtype: torch.dtype, shape: tuple, stride: tuple
 def _rebuild_on_device(index: int, dtype: torch.dtype, shape: tuple, requires_grad: bool,
                        device: str):
     t = _typed(index, dtype).view(shape)
-    return _finish_tensor(t.to(device), requires_grad, None)
+    if t.device.type == "cpu" and device.startswith("cuda"):
+        t = cuda_host.to_device(t, device)
+    else:
+        t = t.to(device)
+    return _finish_tensor(t, requires_grad, None)
 
 
 def _finish_tensor(t: torch.Tensor, requires_grad: bool, cls: type | None):
@@ -303,7 +307,7 @@ class _RpcPickler(pickle.Pickler):
             shared = cuda_ipc.reduce(t, target, t.requires_grad)
             if shared is not None:
                 return shared
-        data = t.detach().resolve_conj().resolve_neg().to("cpu").contiguous()
+        data = cuda_host.to_host(t)
         index = len(self.tensors)
         self.tensors.append(data)
         return _rebuild_on_device, (index, t.dtype, tuple(t.shape), t.requires_grad,
