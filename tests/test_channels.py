@@ -19,7 +19,7 @@ import torch
 import torchwire.rpc as rpc
 from _cluster import run_world
 from torchwire._wire import frame as F
-from torchwire._wire.buffers import pool_stats
+from torchwire._wire.buffers import pool_stats, receive_bytes
 from torchwire._wire.channels import REGISTRY, cma
 from torchwire._wire.channels import segments as shm
 
@@ -139,6 +139,36 @@ def test_receive_buffers_are_recycled(numel, opts):
     assert mine["misses"] <= 2 and theirs["misses"] <= 2, (mine, theirs)
     assert mine["hits"] >= 4 and theirs["hits"] >= 4, (mine, theirs)
     assert mine["lent"] == 0  # nothing kept alive once the tensors are gone
+
+
+def _resident_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096
+
+
+def test_a_large_payload_buffer_is_not_touched_until_it_is_received():
+    """A pickle larger than the reader's buffer is received into fresh memory that the
+    allocation leaves untouched: ``read_faulting`` faults it in by a torch op with the
+    GIL released. (``bytearray(n)`` zero-fills it holding the GIL.)"""
+    before = _resident_bytes()
+    view, fresh = receive_bytes(256 << 20)
+    assert fresh and view.nbytes == 256 << 20 and not view.readonly
+    assert _resident_bytes() - before < 64 << 20  # not faulted in
+    part = view[-5:]
+    del view  # a slice keeps the mapping: payload slices may outlive the view
+    part[:] = b"abcde"
+    assert bytes(part) == b"abcde"
+
+
+@pytest.mark.parametrize("transports", [None, ["tcp"]], ids=["unix", "tcp"])
+def test_large_pickled_payloads_both_ways(transports):
+    """Values pickled into the payload itself (no tensors), several MiB each way."""
+    def body(rank, world_size):
+        values = [list(range(400_000)), "é" * 2_000_000, {i: str(i) for i in range(90_000)}]
+        return [rpc.rpc_sync(f"worker{1 - rank}", echo, args=(v,)) == v for v in values]
+
+    opts = {"_transports": transports} if transports else {}
+    assert run_world(body, 2, **opts) == [[True] * 3] * 2
 
 
 @pytest.mark.parametrize("transports, expected", [(None, "unix"), (["tcp"], "tcp")])

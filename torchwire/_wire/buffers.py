@@ -104,6 +104,16 @@ def receive_buffer(n: int) -> tuple[torch.Tensor, bool]:
     return torch.frombuffer(_pool.lend(block, n), dtype=torch.uint8), fresh
 
 
+def receive_bytes(n: int) -> tuple[memoryview, bool]:
+    """A writable buffer of ``n`` bytes for a large payload (a pickle), and whether it
+    is fresh (see :func:`read_faulting`).  Not pooled: a payload's slices may outlive
+    the view this returns, and the mapping lives as long as any of them."""
+    if _MAP_FLAGS is None:
+        return memoryview(bytearray(n)), False
+    # (``bytearray(n)`` would zero-fill it holding the GIL: see receive_buffer)
+    return memoryview(mmap.mmap(-1, n, flags=_MAP_FLAGS)), True
+
+
 def prefault(view: memoryview) -> None:
     """Fault in the pages of ``view`` in one pass, by a torch op that releases the
     GIL (a fault taken inside ``recv`` or ``process_vm_readv`` costs more)."""

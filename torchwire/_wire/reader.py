@@ -28,6 +28,7 @@ import socket
 
 from .._base.errors import ConnectionBrokenError, LinkError, ProtocolError
 from . import frame as F
+from .buffers import read_faulting, receive_bytes
 from .channels.socket import SOCKET
 
 log = logging.getLogger("torchwire")
@@ -204,8 +205,8 @@ def _read(conn):  # noqa: C901 - the hot loop, kept in one piece
             payload = bytes(mv[start:start + plen])
             start += plen
         else:
-            payload = bytearray(plen)
-            read_exact_into(memoryview(payload))
+            payload, fresh = receive_bytes(plen)
+            read_faulting(read_exact_into, payload, fresh)
         if kind == k_data:  # on a lane: the second part of a split buffer
             channels.read_data(conn, rx, rid, lens, payload)
             conn.bytes_in += header_size + 8 + plen + lens[0]
