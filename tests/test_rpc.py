@@ -997,6 +997,11 @@ def served_thread_settings():
             float(torch.ones(64, 1000).softmax(1).sum()))
 
 
+def served_thread_settings_with(t):
+    """:func:`served_thread_settings` in a request that carries ``t``."""
+    return served_thread_settings()[:2], t.numel()
+
+
 def test_requests_use_this_workers_share_of_the_hosts_cpus():
     # Two workers on this host, torch set to 2 intra-op threads in each: the threads
     # that serve requests use at most CPUs // 2 (as torch's launcher sets
@@ -1016,12 +1021,17 @@ def test_requests_use_this_workers_share_of_the_hosts_cpus():
             # at once: some wait for the pool (a reader runs a few in place)
             futs = [rpc.rpc_async("worker1", served_thread_settings) for _ in range(12)]
             served += [f.wait() for f in futs]
-            return (served, torch.get_num_threads(), _intraop._omp is not None,
+            # a request that carries 4 MiB of tensors runs with torch's count; the next
+            # small one is back at the share
+            large = rpc.rpc_sync("worker1", served_thread_settings_with,
+                                 args=(torch.ones(1 << 20),))
+            served.append(rpc.rpc_sync("worker1", served_thread_settings))
+            return (served, large, torch.get_num_threads(), _intraop._omp is not None,
                     len(os.sched_getaffinity(0)))
         finally:
             rpc.shutdown()
 
-    served, main_threads, omp, cpus = run_world(body, 2, init=False)[0]
+    served, large, main_threads, omp, cpus = run_world(body, 2, init=False)[0]
     assert main_threads == 2  # the user's thread: torch's setting, untouched
     assert all(total == pytest.approx(64.0) for _, _, total in served)
     if not omp:
@@ -1029,6 +1039,7 @@ def test_requests_use_this_workers_share_of_the_hosts_cpus():
     share = min(2, max(1, cpus // 2))
     mkl = torch.backends.mkl.is_available()
     assert {(n, m) for n, m, _ in served} == {(share, share if mkl else None)}, served
+    assert large == ((2, 2 if mkl else None), 1 << 20)
 
 
 def test_a_sync_reply_hands_over_its_value_or_a_fresh_copy_of_its_error():

@@ -31,6 +31,7 @@ import types
 import torch
 
 from .. import _serialization as ser
+from .._base import intraop as _intraop
 from .._base import threads as _threads
 from .._base.asyncexec import ASYNC_ATTR, check_future
 from .._base.errors import (LinkError, ProtocolError, RemoteCallError, RpcStateError,
@@ -49,6 +50,15 @@ _NOWAIT_MAX = 16 << 10  # bytes of reply payload an I/O thread may write itself
 _K_RESPONSE, _K_REQUEST, _K_GOODBYE = F.K_RESPONSE, F.K_REQUEST, F.K_GOODBYE
 _F_PLAIN = F.F_PLAIN
 _COROUTINE = types.CoroutineType
+
+
+def _received_bytes(tensors) -> int:
+    """The bytes of a request's received buffers (``bytearray``s or 1-D ``uint8``
+    tensors: ``len`` is their size)."""
+    n = 0
+    for t in tensors:
+        n += len(t)
+    return n
 
 
 class Server:
@@ -109,36 +119,48 @@ class Server:
     # ------------------------------------------------------------------ requests
 
     def serve(self, conn, rid: int, payload, tensors) -> None:
-        """Decode one pickled request, run it and reply."""
-        gates: list = []
+        """Decode one pickled request, run it and reply (a request carrying large
+        tensors with torch's own intra-op threads: ``intraop.full_for``)."""
+        saved = _intraop.full_for(_received_bytes(tensors)) if tensors else None
         try:
-            func, args, kwargs = ser.loads(payload, tensors, gates=gates)
-        except Exception as exc:
-            self.reply_error(conn, rid, exc, "")
-            return
-        del payload, tensors
-        if gates:
-            # Something in the arguments is not ready yet (an RRef fork the owner has
-            # not confirmed): run the function once it is, without holding this thread.
-            torch.futures.collect_all(gates).add_done_callback(
-                lambda _f: self._pool.submit(self.run, conn, rid, func, args, kwargs))
-            return
-        self.run(conn, rid, func, args, kwargs)
+            gates: list = []
+            try:
+                func, args, kwargs = ser.loads(payload, tensors, gates=gates)
+            except Exception as exc:
+                self.reply_error(conn, rid, exc, "")
+                return
+            del payload, tensors
+            if gates:
+                # Something in the arguments is not ready yet (an RRef fork the owner
+                # has not confirmed): run the function once it is, without holding
+                # this thread.
+                torch.futures.collect_all(gates).add_done_callback(
+                    lambda _f: self._pool.submit(self.run, conn, rid, func, args, kwargs))
+                return
+            self.run(conn, rid, func, args, kwargs)
+        finally:
+            if saved is not None:
+                _intraop.restore(saved)
 
     def serve_plain(self, conn, rid: int, payload, tensors) -> None:
         """A PLAIN request: a call (``ser.plain_call``), run and replied as any; or an
         internal one-way message, to its handler on this thread (a failure can only be
         logged: the handlers report their own errors to whoever waits)."""
         if rid != 0:  # a call
+            saved = _intraop.full_for(_received_bytes(tensors)) if tensors else None
             try:
-                if not payload or payload[0] != ser.PlainKind.CALL:
-                    raise ProtocolError("malformed plain request")
-                func, args, kwargs = ser.plain_call_decode(payload, tensors)
-            except Exception as exc:
-                self.reply_error(conn, rid, exc, "")
-                return
-            del payload, tensors
-            self.run(conn, rid, func, args, kwargs)
+                try:
+                    if not payload or payload[0] != ser.PlainKind.CALL:
+                        raise ProtocolError("malformed plain request")
+                    func, args, kwargs = ser.plain_call_decode(payload, tensors)
+                except Exception as exc:
+                    self.reply_error(conn, rid, exc, "")
+                    return
+                del payload, tensors
+                self.run(conn, rid, func, args, kwargs)
+            finally:
+                if saved is not None:
+                    _intraop.restore(saved)
             return
         try:
             if not payload:
@@ -294,6 +316,7 @@ class Server:
         c = self._counters
         with c.lock:  # before the write: the caller may go on before it returns
             c.replies += 1
+        saved = _intraop.full_for(size) if tensors else None  # (a same-host channel copies)
         try:
             conn.send_frame(_K_RESPONSE, flags, rid, payload, tensors)
         except LinkError:
@@ -302,6 +325,9 @@ class Server:
                 sent.abort()
             log.debug("torchwire: reply %d to rank %s dropped: connection closed", rid,
                       conn.peer_rank)
+        finally:
+            if saved is not None:
+                _intraop.restore(saved)
 
     def reply_error(self, conn, rid: int, exc: BaseException, tb: str) -> None:
         """Send ``exc`` as the reply to request ``rid`` (logged for a one-way one)."""

@@ -10,6 +10,9 @@ OpenMP and MKL counts are its own; the user's threads keep torch's setting):
   for the whole machine; on a 2-core host running 2 workers a request's OpenMP team
   waited for CPUs the other process held.  torch's own launcher sets
   OMP_NUM_THREADS=1 when it starts several processes per host, for the same reason.
+* A request that carries large tensors (:data:`FULL_MIN_BYTES`), and a large reply,
+  run with torch's own count (:func:`full_for`): work on that much memory outlasts
+  waking a team, and in a call the caller usually waits, its CPUs idle.
 * A local pass of the distributed backward over few elements runs on one thread
   (:func:`serial_for`, :func:`restore`): each parallel region wakes the thread's
   OpenMP team, and on tensors this small the wake-up costs more than the split
@@ -29,6 +32,9 @@ import torch
 # Work over fewer elements than this (leaves and incoming gradients of a pass) runs on
 # the calling thread alone.  Optimizer steps keep torch's setting (no gain measured).
 SERIAL_MAX_ELEMENTS = 1 << 18
+# A request or reply carrying this many bytes of tensors runs with torch's own count,
+# not the share (:func:`full_for`).
+FULL_MIN_BYTES = 4 << 20
 
 
 def _find_omp():
@@ -111,6 +117,25 @@ def share_thread() -> None:
     if _mkl_local is not None:
         # 0: MKL's global setting (torch's), else this thread's own
         _mkl_local(0 if want == local.torch_threads else want)
+
+
+def full_for(nbytes: int) -> tuple | None:
+    """Give the calling torchwire thread torch's own OpenMP and MKL counts for work on
+    tensors of ``nbytes`` (a request's, a reply's) when that is at least
+    :data:`FULL_MIN_BYTES` and the thread runs at a smaller share
+    (:func:`share_thread`).  Returns what :func:`restore` needs, or None if nothing
+    changed."""
+    if nbytes < FULL_MIN_BYTES or _omp is None:
+        return None
+    full = _local.torch_threads
+    if not full:
+        return None  # no share applied on this thread: it has torch's count
+    before = torch.get_num_threads()
+    if before >= full:
+        return None
+    _omp.omp_set_num_threads(full)
+    mkl = _mkl_local(0) if _mkl_local is not None else None  # 0: MKL's global (torch's)
+    return before, mkl
 
 
 def serial_for(numel: int) -> tuple | None:
