@@ -23,18 +23,12 @@ from __future__ import annotations
 import argparse
 import ctypes
 import os
-import socket
-import statistics
-import time
 
 import torch
-import torch.multiprocessing as mp
+
+from cuda_roundtrip import run_pair, time_double
 
 VARIANTS = ("direct", "staged", "staged-serial", "staged-memmove")
-
-
-def double(t):
-    return t * 2
 
 
 def _install(variant: str) -> None:
@@ -66,7 +60,7 @@ def _install(variant: str) -> None:
     cuda_host.to_device = to_device
 
 
-def _worker(rank, variant, port, sizes, reps, queue):
+def _worker(rank, variant, sizes, reps, port, queue):
     try:
         os.environ["TORCHWIRE_CUDA_IPC"] = "0"
         _install(variant)
@@ -76,20 +70,7 @@ def _worker(rank, variant, port, sizes, reps, queue):
         opts.set_device_map(f"w{1 - rank}", {0: 0})
         rpc.init_rpc(f"w{rank}", rank=rank, world_size=2, rpc_backend_options=opts)
         if rank == 0:
-            out = {}
-            for kib in sizes:
-                t = torch.ones(kib * 256, device="cuda:0")
-                rpc.rpc_sync("w1", double, args=(t,))
-                times = []
-                for _ in range(reps):
-                    torch.cuda.synchronize()
-                    start = time.perf_counter()
-                    y = rpc.rpc_sync("w1", double, args=(t,))
-                    torch.cuda.synchronize()
-                    times.append(time.perf_counter() - start)
-                assert float(y[-1]) == 2.0
-                out[kib] = statistics.median(times) * 1e3
-            queue.put(out)
+            queue.put({kib: time_double(rpc, kib << 10, reps) for kib in sizes})
         rpc.shutdown()
     except Exception as exc:
         queue.put({"error": f"{variant} rank {rank}: {exc!r}"})
@@ -101,23 +82,11 @@ def main() -> None:
     ap.add_argument("--sizes-kib", type=int, nargs="+", default=[128, 1024, 4096, 16384])
     ap.add_argument("--reps", type=int, default=10)
     args = ap.parse_args()
-    ctx = mp.get_context("spawn")
     for variant in VARIANTS:
-        queue = ctx.Queue()
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        procs = [ctx.Process(target=_worker, args=(r, variant, port, args.sizes_kib,
-                                                   args.reps, queue)) for r in range(2)]
-        for p in procs:
-            p.start()
-        result = queue.get(timeout=120)
-        for p in procs:
-            p.join(30)
-            if p.is_alive():
-                p.kill()
-        if "error" in result:
-            print(f"{variant:15} failed: {result['error']}")
+        try:
+            result = run_pair(_worker, variant, args.sizes_kib, args.reps, timeout=120)
+        except RuntimeError as exc:
+            print(f"{variant:15} failed: {exc}")
             continue
         print(f"{variant:15} " + "  ".join(f"{k} KiB {v:6.2f} ms" for k, v in result.items()))
 

@@ -31,7 +31,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank, lib, port, sizes, reps, queue):
+def _worker(rank, lib, sizes, reps, port, queue):
     try:
         _measure(rank, lib, port, sizes, reps, queue)
     except Exception as exc:  # the parent reports it rather than waiting
@@ -53,32 +53,36 @@ def _measure(rank, lib, port, sizes, reps, queue):
     opts.set_device_map(f"w{1 - rank}", {0: 0})
     rpc.init_rpc(f"w{rank}", rank=rank, world_size=2, rpc_backend_options=opts)
     if rank == 0:
-        out = {}
-        for mib in sizes:
-            t = torch.ones(mib * 2**18, device="cuda:0")  # float32: 2**18 per MiB
-            rpc.rpc_sync("w1", double, args=(t,))  # warm: allocator, channels
-            times = []
-            for _ in range(reps):
-                torch.cuda.synchronize()
-                start = time.perf_counter()
-                y = rpc.rpc_sync("w1", double, args=(t,))
-                torch.cuda.synchronize()
-                times.append(time.perf_counter() - start)
-            assert y.device == t.device and float(y[-1]) == 2.0
-            out[mib] = statistics.median(times) * 1e3
-        queue.put(out)
+        queue.put({mib: time_double(rpc, mib * 2**20, reps) for mib in sizes})
     rpc.shutdown()
 
 
-def one_round(lib: str, sizes, reps) -> dict:
+def time_double(rpc, nbytes: int, reps: int) -> float:
+    """Median ms of ``reps`` synchronized ``double`` round trips to ``w1`` with a CUDA
+    float32 tensor of ``nbytes``, after one warm-up (allocator, channels)."""
+    t = torch.ones(nbytes // 4, device="cuda:0")
+    rpc.rpc_sync("w1", double, args=(t,))
+    times = []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        y = rpc.rpc_sync("w1", double, args=(t,))
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    assert y.device == t.device and float(y[-1]) == 2.0
+    return statistics.median(times) * 1e3
+
+
+def run_pair(worker, *args, timeout: float = 300) -> dict:
+    """``worker(rank, *args, port, queue)`` in two spawned processes; what rank 0 puts
+    on the queue (RuntimeError if a worker reported ``{"error": ...}``)."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, lib, port, sizes, reps, queue))
-             for r in range(2)]
+    procs = [ctx.Process(target=worker, args=(r, *args, port, queue)) for r in range(2)]
     for p in procs:
         p.start()
-    result = queue.get(timeout=300)
+    result = queue.get(timeout=timeout)
     for p in procs:
         p.join(60)
         if p.is_alive():
@@ -86,6 +90,10 @@ def one_round(lib: str, sizes, reps) -> dict:
     if "error" in result:
         raise RuntimeError(result["error"])
     return result
+
+
+def one_round(lib: str, sizes, reps) -> dict:
+    return run_pair(_worker, lib, sizes, reps)
 
 
 def main() -> None:
