@@ -213,6 +213,17 @@ def test_a_thousand_concurrent_async_def_calls_take_about_one_sleep(world):
 
 # ---------------------------------------------------------------- cancellation, deadlines
 
+async def _cancelled_after_a_moment(awaitable) -> float:
+    """Let ``awaitable`` start waiting, cancel it, and return the seconds its waiting
+    took to end with CancelledError."""
+    await asyncio.sleep(0.05)
+    t0 = time.monotonic()
+    awaitable.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await awaitable
+    return time.monotonic() - t0
+
+
 def body_cancel_and_deadlines():
     async def main():
         out = {}
@@ -221,12 +232,7 @@ def body_cancel_and_deadlines():
         # a task awaiting the future (ensure_future of the future alone returns it)
         task = asyncio.ensure_future(
             awaiting(rpc.rpc_async("worker1", sleep_then, args=(1.0, "late"))))
-        await asyncio.sleep(0.05)
-        t0 = time.monotonic()
-        task.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await task
-        out["cancel_s"] = time.monotonic() - t0
+        out["cancel_s"] = await _cancelled_after_a_moment(task)
         t0 = time.monotonic()
         with pytest.raises(asyncio.TimeoutError):
             await asyncio.wait_for(rpc.rpc_async("worker1", async_sleep, args=(1.0, 0)), 0.1)
@@ -332,12 +338,7 @@ def body_futures_are_asyncio_futures():
         # calls' late replies complete the torch side
         late = rpc.rpc_async("worker1", sleep_then, args=(0.4, "late"))
         gather = asyncio.gather(late, rpc.rpc_async("worker2", sleep_then, args=(0.4, 1)))
-        await asyncio.sleep(0.05)
-        t0 = time.monotonic()
-        gather.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await gather
-        out["gather_cancel_s"] = time.monotonic() - t0
+        out["gather_cancel_s"] = await _cancelled_after_a_moment(gather)
         out["late_cancelled"] = late.cancelled()
         with pytest.raises(asyncio.CancelledError):
             late.result()
