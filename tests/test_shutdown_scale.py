@@ -22,7 +22,7 @@ import pytest
 import torchwire.rpc as rpc
 from _cluster import _ctx, new_init_method
 from torchwire._agent.liveness import PeerState
-from torchwire._agent.termination import Termination
+from torchwire._agent.termination import Termination, publish
 from torchwire._base.errors import WorkerUnavailableError
 
 pytestmark = pytest.mark.timeout(150)
@@ -157,11 +157,19 @@ class _Store:
     def __init__(self, hook=None) -> None:
         self.data: dict[str, bytes] = {}
         self.hook = hook
+        self.requests = 0
 
     def set(self, key, value) -> None:
         self.data[key] = value.encode() if isinstance(value, str) else value
 
+    def add(self, key, n) -> int:
+        self.requests += 1
+        value = int(self.data.get(key, b"0")) + n
+        self.data[key] = str(value).encode()
+        return value
+
     def check(self, keys) -> bool:
+        self.requests += 1
         if self.hook is not None:
             self.hook(self, keys[0])
         return all(k in self.data for k in keys)
@@ -222,8 +230,8 @@ def test_a_rank_that_publishes_and_leaves_between_two_reads_is_not_missed():
     def hook(store, key):
         # rank 1 publishes its record and leaves just before its exit key is read
         if key == "sd/exit/1" and key not in store.data:
-            store.set("sd/0/1", "1,1")
-            store.set("sd/exit/1", "1")
+            publish(store, "sd/0/1", "1,1")
+            publish(store, "sd/exit/1", "1")
 
     store = _Store(hook)
     store.set("sd/0/0", "1,1")
@@ -242,8 +250,8 @@ def test_a_rank_down_on_the_links_but_reachable_is_waited_for():
 
     def hook(store, key):
         reads.append(key)
-        if len(reads) == 40:  # rank 1 arrives at shutdown a little later
-            store.set("sd/0/1", "1,1")
+        if len(reads) == 8:  # rank 1 arrives at shutdown after the probe
+            publish(store, "sd/0/1", "1,1")
 
     store = _Store(hook)
     store.set("sd/0/0", "1,1")
@@ -272,3 +280,77 @@ def test_a_rank_down_and_unreachable_is_given_up_on_and_named_only_if_absent():
     assert time.monotonic() - t0 < 2.0  # given up on at the first probes, not at 30 s
     assert sorted(got) == [0] and sorted(agent.links.dialled) == [1, 3]
     assert term._absent({0: "1,1"}) == [1, 4]
+
+
+def test_waiting_workers_poll_one_key_until_a_shutdown_key_is_set():
+    # 63 of 64 ranks have published round 0; the last arrives after ~0.5 s of polls.
+    world = 64
+    store = _Store()
+    for k in range(1, world):
+        publish(store, f"sd/0/{k}", "1,1")
+    arrive = time.monotonic() + 0.5
+    polls = []
+
+    class _Polled(_Store):
+        def add(self, key, n):
+            if n == 0:
+                polls.append(key)
+                if time.monotonic() >= arrive and "sd/0/0" not in self.data:
+                    publish(self, "sd/0/0", "1,1")
+            return super().add(key, n)
+
+    polled = _Polled()
+    polled.data = dict(store.data)
+    agent = _Agent(world, polled, _Health())
+    agent.rank = 5
+    term = Termination(agent)
+    got = term._gather([f"sd/0/{k}" for k in range(world)], time.monotonic() + 10)
+    assert sorted(got) == list(range(world))
+    assert len(polls) >= 10  # it waited, polling
+    # two full reads of the 64 keys (at the start, once rank 0 published), plus one
+    # exit-key check each, plus the counter per poll: not 64 reads per poll
+    assert polled.requests <= 2 * (world + 1) + 2 * len(polls) + 2, \
+        (polled.requests, len(polls))
+
+
+class _CountingStore:
+    """The agent's real store, counting the requests made through it."""
+
+    def __init__(self, store) -> None:
+        self._store = store
+        self.requests = 0
+
+    def __getattr__(self, name):
+        fn = getattr(self._store, name)
+
+        def call(*args, **kwargs):
+            self.requests += 1
+            return fn(*args, **kwargs)
+        return call
+
+
+def _waits_in_shutdown(rank, world, init_method):
+    from torchwire.rpc.api import _get_current_rpc_agent
+    rpc.init_rpc(f"worker{rank}", rank=rank, world_size=world,
+                 rpc_backend_options=rpc.TensorPipeRpcBackendOptions(init_method=init_method))
+    if rank == 0:
+        # the driver keeps calling the worker that already waits in shutdown
+        end = time.monotonic() + 1.5
+        while time.monotonic() < end:
+            assert rpc.rpc_sync("worker1", add, args=(rank, 1)) == 1
+        rpc.shutdown()
+        return None
+    agent = _get_current_rpc_agent()
+    counting = agent.store = _CountingStore(agent.store)
+    t0 = time.monotonic()
+    rpc.shutdown()
+    return counting.requests, time.monotonic() - t0
+
+
+def test_a_worker_waiting_in_shutdown_sends_the_store_about_one_request_per_poll():
+    from _cluster import run_world
+    _, (requests, waited) = run_world(_waits_in_shutdown, 2, init=False, timeout=60)
+    assert waited >= 1.0  # it did wait for the driver
+    # polls are at most 20 ms apart: ~50 a second, one request each, plus a few full
+    # reads of the keys; reading every rank's keys on each poll made ~150 a second
+    assert requests <= 55 * waited + 30, (requests, waited)

@@ -22,6 +22,13 @@
                through the whole shutdown).  A rank that published a record or its
                exit key is not gone.
 
+Waiting is cheap for the store's host: every shutdown key is counted in ``sd/n`` as it
+is set, and a waiting worker reads that one counter per poll; it reads the keys
+themselves only when the counter moved (or a probe ran, or a rank was given up on).
+Reading every rank's key on every poll made each of N waiting workers send the store
+about N requests every 20 ms, all served by rank 0's process, the one that usually
+still has work to do.
+
 A rank merely *down* on the links (a heartbeat that went late, a connect that timed
 out under load, a partition that has healed) is not given up on: it may well be
 publishing its records.  While waiting, every rank that has not reported is probed
@@ -48,6 +55,7 @@ _LIVENESS_PERIOD = 1.0  # seconds between liveness checks while shutdown waits
 # Seconds a probe of a peer that is down may take: enough to reach it over a healed
 # link, short, since a frozen peer costs every graceful shutdown this much.
 _DOWN_PROBE = 0.5
+_COUNT_KEY = "sd/n"  # shutdown keys set so far (any round, exit keys too)
 
 
 class Termination:
@@ -75,7 +83,7 @@ class Termination:
             agent.settle(deadline)
             keys = [f"sd/{r}/{k}" for k in range(world)]
             try:
-                store.set(keys[agent.rank], self._record(full))
+                publish(store, keys[agent.rank], self._record(full))
             except Exception as exc:
                 raise self._store_gone(exc) from exc
             records = {k: v.decode() for k, v in self._gather(keys, deadline).items()}
@@ -90,7 +98,7 @@ class Termination:
             previous = state
         # Exit barrier: rank 0 may host the store, so it leaves last.
         try:
-            store.set(f"sd/exit/{agent.rank}", "1")
+            publish(store, f"sd/exit/{agent.rank}", "1")
             if agent.rank == 0:
                 self._gather([f"sd/exit/{k}" for k in range(world)], deadline)
             gone = self._absent(records)
@@ -150,18 +158,26 @@ class Termination:
         store, health, me = agent.store, agent.health, agent.rank
         start = time.monotonic()
         delay = 0.001
+        seen = None  # the key counter at the last full read
+        waiting: list[int] = []
         while True:
             try:
-                missing = [k for k, key in enumerate(keys) if not store.check([key])]
-                # A rank sets its exit key after its last record: read the record again
-                # when the exit key is there, else one set in between would be missed.
-                left = [k for k in missing if store.check([f"sd/exit/{k}"])]
-                late = {k for k in left if store.check([keys[k]])}
-                missing = [k for k in missing if k not in late]
-                waiting = [k for k in missing if k not in left and not self._given_up(k)]
-                if not waiting:
-                    present = [k for k in range(len(keys)) if k not in missing]
-                    return dict(zip(present, store.multi_get([keys[k] for k in present])))
+                count = store.add(_COUNT_KEY, 0)
+                waiting = [k for k in waiting if not self._given_up(k)]
+                if count != seen or not waiting:
+                    seen = count
+                    missing = [k for k, key in enumerate(keys) if not store.check([key])]
+                    # A rank sets its exit key after its last record: read the record
+                    # again when the exit key is there, else one set in between would
+                    # be missed.
+                    left = [k for k in missing if store.check([f"sd/exit/{k}"])]
+                    late = {k for k in left if store.check([keys[k]])}
+                    missing = [k for k in missing if k not in late]
+                    waiting = [k for k in missing if k not in left and not self._given_up(k)]
+                    if not waiting:
+                        present = [k for k in range(len(keys)) if k not in missing]
+                        return dict(zip(present,
+                                        store.multi_get([keys[k] for k in present])))
             except Exception as exc:
                 raise self._store_gone(exc) from exc
             now = time.monotonic()
@@ -183,6 +199,7 @@ class Termination:
                     except Exception as exc:
                         raise self._store_gone(exc) from exc
                     self._probe(k, deadline)
+                seen = None  # read the keys again: a probe takes time
                 continue
             # Polling the store (rather than store.wait) keeps torch's C++ layer from
             # logging a timeout warning on every liveness period.
@@ -235,6 +252,13 @@ class Termination:
         agent.peer_lost(rank, "its listener refused the connection (the process is gone)",
                         dead=True)
         return False
+
+
+def publish(store, key: str, value: str) -> None:
+    """Set shutdown key ``key``, then count it: waiting workers poll the count alone
+    (:meth:`Termination._gather`)."""
+    store.set(key, value)
+    store.add(_COUNT_KEY, 1)
 
 
 def _balanced(records: dict[int, str], world: int) -> bool | None:
