@@ -354,3 +354,43 @@ def test_a_worker_waiting_in_shutdown_sends_the_store_about_one_request_per_poll
     # polls are at most 20 ms apart: ~50 a second, one request each, plus a few full
     # reads of the keys; reading every rank's keys on each poll made ~150 a second
     assert requests <= 55 * waited + 30, (requests, waited)
+
+
+class _Clock:
+    """``time`` for Termination: sleeping moves a virtual clock on at once."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+        self.sleeps: list[float] = []
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.sleeps.append(seconds)
+        self.now += seconds
+
+
+def test_a_long_wait_in_shutdown_polls_every_100_ms(monkeypatch):
+    import torchwire._agent.termination as termination
+    clock = _Clock()
+    monkeypatch.setattr(termination, "time", clock)
+    arrive = clock.now + 10.0  # rank 0 calls shutdown() after 10 s of work
+
+    class _Late(_Store):
+        def add(self, key, n):
+            if n == 0 and clock.now >= arrive and "sd/0/0" not in self.data:
+                publish(self, "sd/0/0", "1,1")
+            return super().add(key, n)
+
+    store = _Late()
+    publish(store, "sd/0/1", "1,1")
+    agent = _Agent(2, store, _Health())
+    agent.rank = 1
+    got = Termination(agent)._gather(["sd/0/0", "sd/0/1"], clock.now + 60)
+    assert sorted(got) == [0, 1] and clock.now >= arrive
+    assert max(clock.sleeps) == pytest.approx(0.1)
+    # 20 ms apart for 2 s, then 100 ms: about 180 polls in 10 s, where 20 ms all
+    # along made 500
+    assert 150 <= len(clock.sleeps) <= 200, len(clock.sleeps)
+    assert clock.now - arrive <= 0.1 + 1e-9  # noticed at the next poll

@@ -23,8 +23,9 @@
                exit key is not gone.
 
 Waiting is cheap for the store's host: every shutdown key is counted in ``sd/n`` as it
-is set, and a waiting worker reads that one counter per poll; it reads the keys
-themselves only when the counter moved (or a probe ran, or a rank was given up on).
+is set, and a waiting worker reads that one counter per poll (every 20 ms at most, every
+100 ms once it has waited 2 s); it reads the keys themselves only when the counter
+moved (or a probe ran, or a rank was given up on).
 Reading every rank's key on every poll made each of N waiting workers send the store
 about N requests every 20 ms, all served by rank 0's process, the one that usually
 still has work to do.
@@ -56,6 +57,10 @@ _LIVENESS_PERIOD = 1.0  # seconds between liveness checks while shutdown waits
 # link, short, since a frozen peer costs every graceful shutdown this much.
 _DOWN_PROBE = 0.5
 _COUNT_KEY = "sd/n"  # shutdown keys set so far (any round, exit keys too)
+# Seconds between polls of that count: at most _POLL_MAX, and _LONG_POLL_MAX once a
+# wait has lasted _LONG_WAIT (a worker that waits that long is waiting for another's
+# work to end, not for the next round).
+_POLL_MAX, _LONG_POLL_MAX, _LONG_WAIT = 0.02, 0.1, 2.0
 
 
 class Termination:
@@ -204,7 +209,7 @@ class Termination:
             # Polling the store (rather than store.wait) keeps torch's C++ layer from
             # logging a timeout warning on every liveness period.
             time.sleep(min(delay, max(0.0, deadline - now)))
-            delay = min(delay * 2, 0.02)
+            delay = min(delay * 2, _POLL_MAX if now - start < _LONG_WAIT else _LONG_POLL_MAX)
 
     def _given_up(self, rank: int) -> bool:
         """Has this shutdown stopped waiting for ``rank``: proved dead, or the last
