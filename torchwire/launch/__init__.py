@@ -6,7 +6,10 @@
 Each worker gets torchrun's environment (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``,
 ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``), so ``init_rpc`` with
 ``init_method="env://"`` (the default) finds the job, plus
-``TORCHWIRE_RESTART_COUNT``: how many times this rank was restarted.  A worker
+``TORCHWIRE_RESTART_COUNT``: how many times this rank was restarted.  As torchrun,
+with several workers and no ``OMP_NUM_THREADS`` in the environment, it sets
+``OMP_NUM_THREADS=1`` for them (and says so): each process's torch would otherwise
+size its intra-op threads for the whole host.  A worker
 that exits with a non-zero status or is killed by a signal is started again with
 the same rank (up to ``--max-restarts`` times per rank) while the others keep
 running; it calls ``init_rpc`` with its name and rank and rejoins the job.
@@ -65,6 +68,11 @@ def main(argv: list[str] | None = None) -> int:
                 TORCHELASTIC_USE_AGENT_STORE="True",
                 # one key space for every incarnation: a restarted rank rejoins the job
                 TORCHELASTIC_RESTART_COUNT="0")
+    if "OMP_NUM_THREADS" not in os.environ and args.nprocs > 1:
+        print("torchwire.launch: setting OMP_NUM_THREADS=1 for each worker, as torchrun "
+              "does, so that they do not overload this host; set it yourself to tune "
+              "it for your program", file=sys.stderr, flush=True)
+        base["OMP_NUM_THREADS"] = "1"
     cmd = [sys.executable] + (["-m"] if args.module else []) + [args.program] + args.args
 
     def start(rank: int, restart: int) -> subprocess.Popen[bytes]:
