@@ -83,9 +83,11 @@ def test_supervisor_restarts_only_the_rank_that_failed():
 def test_the_launcher_sets_omp_num_threads_to_1_as_torchrun_unless_it_is_set(tmp_path):
     import os
     script = tmp_path / "threads.py"
+    # one write per worker: the two share the launcher's stdout
     script.write_text("import os\n"
-                      "print('rank', os.environ['RANK'], 'OMP', "
-                      "os.environ.get('OMP_NUM_THREADS'), flush=True)\n")
+                      "line = f\"rank {os.environ['RANK']} OMP "
+                      "{os.environ.get('OMP_NUM_THREADS')}\\n\"\n"
+                      "os.write(1, line.encode())\n")
 
     def launch(nprocs: int, **env: str) -> subprocess.CompletedProcess:
         base = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
@@ -95,10 +97,10 @@ def test_the_launcher_sets_omp_num_threads_to_1_as_torchrun_unless_it_is_set(tmp
 
     two = launch(2)
     assert two.returncode == 0, two.stderr
-    assert sorted(two.stdout.split("\n")[:2]) == ["rank 0 OMP 1", "rank 1 OMP 1"]
+    assert sorted(two.stdout.splitlines()) == ["rank 0 OMP 1", "rank 1 OMP 1"]
     assert "setting OMP_NUM_THREADS=1" in two.stderr
     mine = launch(2, OMP_NUM_THREADS="3")
-    assert sorted(mine.stdout.split("\n")[:2]) == ["rank 0 OMP 3", "rank 1 OMP 3"]
+    assert sorted(mine.stdout.splitlines()) == ["rank 0 OMP 3", "rank 1 OMP 3"]
     assert "OMP_NUM_THREADS" not in mine.stderr
     one = launch(1)
     assert one.stdout.strip() == "rank 0 OMP None" and "OMP_NUM_THREADS" not in one.stderr
