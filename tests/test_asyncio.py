@@ -25,6 +25,26 @@ def sleep_then(seconds, value):
     return value
 
 
+_gates: dict[str, threading.Event] = {}
+_gates_lock = threading.Lock()
+
+
+def _gate(key: str) -> threading.Event:
+    with _gates_lock:
+        return _gates.setdefault(key, threading.Event())
+
+
+def after_gate(key, value):
+    """``value`` once ``open_gate(key)`` has run here (30 s at most)."""
+    if not _gate(key).wait(30):
+        raise TimeoutError(f"gate {key!r} was never opened")
+    return value
+
+
+def open_gate(key):
+    _gate(key).set()
+
+
 def raise_value_error(msg):
     raise ValueError(msg)
 
@@ -323,13 +343,16 @@ def body_futures_are_asyncio_futures():
         cb_fut.add_done_callback(
             lambda f: (seen.append((threading.get_ident() == loop_thread, f.result())),
                        ran.set()))
-        removed = rpc.rpc_async("worker1", add, args=(5, 5))
+        # (asyncio's rule: a callback added once the future is done cannot be
+        # removed; this call completes only after the removal)
+        removed = rpc.rpc_async("worker1", after_gate, args=("removed", 10))
         never = []
 
         def never_runs(f):
-            never.append(f)
+            never.append(f.result())
         removed.add_done_callback(never_runs)
         out["removed"] = removed.remove_done_callback(never_runs)
+        await rpc.rpc_async("worker1", open_gate, args=("removed",))
         await ran.wait()
         await removed
         await asyncio.sleep(0)  # a removed callback that still ran would have by now
