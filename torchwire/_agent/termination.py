@@ -165,9 +165,16 @@ class Termination:
         delay = 0.001
         seen = None  # the key counter at the last full read
         waiting: list[int] = []
+        try:
+            # Created if missing, once: the polls read it with get(), which blocks on a
+            # missing key and, unlike add(), writes nothing (a FileStore appends
+            # every write to its file).
+            store.add(_COUNT_KEY, 0)
+        except Exception as exc:
+            raise self._store_gone(exc) from exc
         while True:
             try:
-                count = store.add(_COUNT_KEY, 0)
+                count = store.get(_COUNT_KEY)
                 waiting = [k for k in waiting if not self._given_up(k)]
                 if count != seen or not waiting:
                     seen = count
