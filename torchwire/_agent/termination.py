@@ -25,10 +25,9 @@
 Waiting is cheap for the store's host: every shutdown key is counted in ``sd/n`` as it
 is set, and a waiting worker reads that one counter per poll (every 20 ms at most, every
 100 ms once it has waited 2 s); it reads the keys themselves only when the counter
-moved (or a probe ran, or a rank was given up on).
-Reading every rank's key on every poll made each of N waiting workers send the store
-about N requests every 20 ms, all served by rank 0's process, the one that usually
-still has work to do.
+moved (or a probe ran, or a rank was given up on).  Reading every rank's key on every
+poll made each of N waiting workers send the store about N requests every 20 ms, all
+served by rank 0's process, the one that usually still has work to do.
 
 A rank merely *down* on the links (a heartbeat that went late, a connect that timed
 out under load, a partition that has healed) is not given up on: it may well be
