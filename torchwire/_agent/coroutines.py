@@ -118,7 +118,15 @@ class CoroutineRunner:
         asyncio.set_event_loop(loop)
         loop.call_soon(ready.set)
         try:
-            loop.run_forever()
+            while True:
+                try:
+                    loop.run_forever()
+                    return  # stopped (stop())
+                except (SystemExit, KeyboardInterrupt) as exc:
+                    # asyncio ends the task with it, then raises it out of the loop: the
+                    # task's callbacks (its reply) are queued, and the loop serves on
+                    log.warning("torchwire: a coroutine raised %s; the loop goes on",
+                                type(exc).__name__)
         finally:
             loop.close()
 

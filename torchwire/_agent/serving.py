@@ -18,6 +18,9 @@ function and send its reply on the connection they came in on:
   small plain value is written from there (``send_nowait``), anything else on the
   pool.
 
+Every request with a request id gets a reply, whatever fails: a function that
+raises ``SystemExit`` (an error for the caller; this worker serves on), an exception
+whose ``__str__`` fails, a return value that cannot be pickled for any reason.
 A one-way request (request id 0) gets no reply; its failure is logged here.
 """
 
@@ -126,7 +129,7 @@ class Server:
             gates: list = []
             try:
                 func, args, kwargs = ser.loads(payload, tensors, gates=gates)
-            except Exception as exc:
+            except BaseException as exc:  # (a __setstate__ may even sys.exit())
                 self.reply_error(conn, rid, exc, "")
                 return
             del payload, tensors
@@ -196,11 +199,11 @@ class Server:
                 self._agent.coroutines.start(
                     result, lambda task: self._coroutine_done(conn, rid, task))
                 return
-        except Exception as exc:
+        except BaseException as exc:  # SystemExit too: the caller gets an error, we serve on
             tb = traceback.format_exc()
             # As torch, the callee reports a failing function on its stderr too, not
             # only through the caller's exception.
-            print(f"On {self._desc}:\n{exc!r}\n{tb}", file=sys.stderr)
+            print(f"On {self._desc}:\n{_describe(exc)}\n{tb}", file=sys.stderr)
             if isinstance(exc, TypeError) and _is_torch_op(func):
                 exc = RemoteCallError("Overloaded torch operator invoked from Python failed "
                                       f"to match any schema: {exc}")
@@ -301,6 +304,9 @@ class Server:
             self.reply_error(conn, rid, SerializationError(
                 f"the return value could not be serialized: {exc}"), "")
             return
+        except BaseException as exc:  # its own error (an RRef whose owner is lost) or a bug
+            self.reply_error(conn, rid, exc, traceback.format_exc())
+            return
         agent = self._agent
         size = len(payload)
         for t in tensors:
@@ -331,11 +337,19 @@ class Server:
 
     def reply_error(self, conn, rid: int, exc: BaseException, tb: str) -> None:
         """Send ``exc`` as the reply to request ``rid`` (logged for a one-way one)."""
+        if not isinstance(exc, Exception):  # SystemExit: an error for the caller, no exit
+            exc = RemoteCallError(f"the function raised {_describe(exc)}")
         if rid == 0:
             log.warning("torchwire: one-way request from rank %s failed on %s: %s: %s\n%s",
-                        conn.peer_rank, self._agent.name, type(exc).__name__, exc, tb)
+                        conn.peer_rank, self._agent.name, type(exc).__name__,
+                        _describe(exc), tb)
             return
-        payload = ser.dumps_exception(exc, self._desc, tb)
+        try:
+            payload = ser.dumps_exception(exc, self._desc, tb)
+        except BaseException as bad:  # (dumps_exception guards str(); this is the last resort)
+            payload = ser.dumps_exception(RemoteCallError(
+                f"{type(exc).__qualname__} raised, and describing it failed: "
+                f"{type(bad).__qualname__}"), self._desc, "")
         self._counters.count_reply(1)
         try:
             conn.send_frame(_K_RESPONSE, F.F_ERROR, rid, payload)
@@ -345,6 +359,14 @@ class Server:
 
 
 _NO_VALUE = object()
+
+
+def _describe(exc: BaseException) -> str:
+    """``repr(exc)``, or its type's name when its ``__repr__`` fails."""
+    try:
+        return repr(exc)
+    except Exception:
+        return f"<{type(exc).__qualname__}: repr() failed>"
 
 
 def _plain_value(value, depth: int) -> bool:

@@ -23,7 +23,11 @@ def dumps_exception(exc: BaseException, worker_desc: str, tb_text: str) -> bytes
     """Describe an exception with plain strings, so the caller can always decode it."""
     cls = type(exc)
     # str(), not repr(): keeps the message's own newlines instead of "\\n" escapes
-    message = f"On {worker_desc}:\n{cls.__name__}({exc})\n{tb_text}"
+    try:
+        text = str(exc)
+    except Exception as bad:  # the user's __str__ failed: the caller still learns the type
+        text = f"<str() raised {type(bad).__qualname__}>"
+    message = f"On {worker_desc}:\n{cls.__name__}({text})\n{tb_text}"
     return pickle.dumps((cls.__module__, cls.__qualname__, message, worker_desc, tb_text),
                         protocol=_PROTOCOL)
 

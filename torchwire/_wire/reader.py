@@ -79,7 +79,7 @@ def run(conn):
         return _broken(exc)
     except (ProtocolError, LinkError) as exc:
         return exc
-    except Exception as exc:  # a bug in decoding must not leave the peer hanging
+    except BaseException as exc:  # a bug (or a SystemExit) must not leave the peer hanging
         log.exception("torchwire: reader for rank %s failed", conn.peer_rank)
         return exc
 
