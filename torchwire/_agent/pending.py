@@ -13,6 +13,10 @@ One call::
     PENDING --timer popped it-->        DONE (RpcTimeoutError)
     PENDING --fail popped it-->         DONE (WorkerUnavailableError, RpcStateError)
 
+A caller may complete an ``rpc_async`` future itself (torch's futures allow
+``set_result``); the popper then finds it done and drops what it had, logged at
+debug level: neither the reader nor the timer's other expiries are disturbed.
+
 The entry is stored before its deadline is armed, so a deadline that passes at once
 finds it (armed first, the timer could fire in between and lose the call).  A reply
 is decoded while its call still counts as pending, so what unpickling starts (RRef
@@ -23,6 +27,7 @@ drops; it is popped only then.
 from __future__ import annotations
 
 import itertools
+import logging
 import threading
 import time
 
@@ -33,6 +38,7 @@ from .metrics import CallMetrics
 from .timer import DeadlineTimer
 
 _perf = time.perf_counter_ns
+log = logging.getLogger("torchwire")
 
 
 class PendingCall:
@@ -105,7 +111,7 @@ class PendingCalls:
         if call.tick is not None:
             self._timer.cancel(rid, call.tick)
         self.metrics.failed(call.peer, exc)
-        call.future.set_exception(exc)
+        _settle(call.future, None, exc)
         self._note_idle()
 
     def fail_where(self, exc: BaseException, peer: int | None = None, conn=None) -> None:
@@ -146,9 +152,12 @@ class PendingCalls:
             self._timer.cancel(rid, call.tick)
         self.metrics.replied(id(call.conn), call.peer, _perf() - call.t0, error)
         if error is not None:
-            call.future.set_exception(error)
+            _settle(call.future, None, error)
         else:
-            call.future.set_result(value)
+            try:
+                call.future.set_result(value)
+            except Exception:  # (_settle, inlined: every reply's path)
+                _settled_elsewhere(call.future)
         if self._draining:
             self._note_idle()
 
@@ -180,7 +189,7 @@ class PendingCalls:
                 continue
             err = self.timeout_error(call.peer, call.timeout, call.func)
             self.metrics.failed(call.peer, err, timeout=True)
-            call.future.set_exception(err)
+            _settle(call.future, None, err)
         self._note_idle()
 
     def timeout_error(self, peer: int, timeout: float, func, detail: str = "",
@@ -193,6 +202,32 @@ class PendingCalls:
 
 
 _new = object.__new__
+
+
+def _settle(fut, value, error: BaseException | None) -> None:
+    """Complete a call's future; one that is already done stays as it is.
+
+    torch's futures may be completed by anyone holding them (``fut.set_result``), so
+    the user may have ended an ``rpc_async`` future before its reply or deadline:
+    that must neither break the reader nor stop the timer's other expiries."""
+    try:
+        if error is None:
+            fut.set_result(value)
+        elif not fut.done():  # torch's set_exception would change how a done one unwraps
+            fut.set_exception(error)
+        else:
+            _settled_elsewhere(fut)
+    except Exception:
+        _settled_elsewhere(fut)
+
+
+def _settled_elsewhere(fut) -> None:
+    """Completing ``fut`` failed: fine if it was done already, else log it."""
+    if fut.done():
+        log.debug("torchwire: the result of a call whose future was already completed "
+                  "was dropped")
+    else:
+        log.exception("torchwire: completing a call's future failed")
 
 
 def func_name(func) -> str:
