@@ -6,7 +6,8 @@ attach) with one ``process_vm_readv``; ``_channels=["socket"]`` forces everythin
 through the socket; over TCP, lanes split large buffers over two connections.  The
 same channels are driven between two workers (a job per test) and, at the end, through
 the interface alone: two Connections on a socket pair, each built with one channel.
-tests/test_shm.py covers what is particular to shared memory.
+tests/test_shm.py, test_shm_copy_on_write.py and test_shm_malformed.py cover what is
+particular to shared memory.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """The package keeps its layering: imports point down only, every module imports cold,
-and no file or class grows past its size limit.
+and no file or class grows past its size limit (nor in tests/ and bench/).
 
 LAYERS below is the project's written import order (docs/architecture.md points here).
 """
@@ -48,6 +48,7 @@ level).  A module in no unit is an error: every new package is placed here.
 
 ROOT = Path(__file__).parent.parent / "torchwire"
 PACKAGE = ROOT.name
+SIZED_FOLDERS = ["tests", "bench"]  # beside the package: their own .py files have the limits too
 MAX_FILE_LINES = 600
 MAX_CLASS_LINES = 400
 CHILD_TIMEOUT = 60  # seconds one cold import may take before it counts as hung
@@ -164,6 +165,11 @@ def violations_of(module: str, is_package: bool, source: str, is_submodule=None)
 def package_sources() -> list[Path]:
     """Every .py file of the package, sorted."""
     return sorted(ROOT.rglob("*.py"))
+
+
+def folder_sources(folder: str) -> list[Path]:
+    """The .py files directly in a folder of the repository (tests, bench), sorted."""
+    return sorted((ROOT.parent / folder).glob("*.py"))
 
 
 def module_name(path: Path) -> tuple[str, bool]:
@@ -303,6 +309,16 @@ def test_every_module_imports_cold():
 def test_files_and_classes_are_small():
     problems = []
     for path in package_sources():
+        problems += oversized(str(path.relative_to(ROOT.parent)), path.read_text())
+    assert not problems, "too large:\n" + "\n".join(problems)
+
+
+@pytest.mark.parametrize("folder", SIZED_FOLDERS)
+def test_test_and_bench_files_and_classes_are_small(folder):
+    paths = folder_sources(folder)
+    assert paths, f"no .py files in {folder}/"
+    problems = []
+    for path in paths:
         problems += oversized(str(path.relative_to(ROOT.parent)), path.read_text())
     assert not problems, "too large:\n" + "\n".join(problems)
 

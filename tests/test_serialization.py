@@ -1,23 +1,21 @@
-"""Serialization: tensors and containers through dumps/loads, through real RPC,
-and the frame codec underneath.
+"""Serialization: tensors and containers through dumps/loads and through real RPC.
 
 (a) in-process round trips through ``torchwire._serialization`` with a tensor
     table that is byte-copied the way the transport delivers it;
 (b) the same values echoed through a real RPC by the shared ``world`` job;
-(c) the wire format of ``torchwire/_wire/frame.py`` and a ``Connection`` reader
-    fed raw bytes over a socketpair.
+(c) the tensors of plain (unpickled) messages.
+
+The values and their comparison are in tests/_serialization_cases.py; the frame
+codec underneath is tested in tests/test_frame_codec.py.
 """
 
 from __future__ import annotations
 
 import math
-import socket
-import struct
 import subprocess
 import sys
 import textwrap
 import threading
-import time
 import warnings
 from pathlib import Path
 
@@ -27,11 +25,10 @@ import torch
 import torchwire
 import torchwire.rpc as rpc
 from _cluster import run_world
+from _serialization_cases import (CASES, DTYPES, _gen, _nested, _quiet, _sparse, build,
+                                  describe, differences, roundtrip, wire)
 from torchwire import _serialization as ser
 from torchwire._serialization import byte_view, dumps, loads, tensor_nbytes
-from torchwire._wire import frame as F
-from torchwire._wire.channels.link import ChannelSet
-from torchwire._wire.connection import Connection
 
 # torch warns once per process, on the first sparse tensor built without an explicit
 # ``check_invariants``.  Whether torchwire's receiver does that is checked by
@@ -51,226 +48,6 @@ def _world_before_local_work(world):
     a child forked after the parent used torch's intra-op thread pool hangs on its
     first parallel op."""
     world.run_all(_ignore_sparse_warning)
-
-
-# ------------------------------------------------------------------ helpers
-
-
-def wire(table: list[torch.Tensor]) -> list[torch.Tensor]:
-    """What the receiver gets for a tensor table: a fresh uint8 tensor per entry holding
-    exactly the ``numel * itemsize`` bytes the sender writes (``Connection.send_frame``
-    sends ``byte_view(t, n)``; the reader fills ``torch.empty(n, dtype=torch.uint8)``)."""
-    out = []
-    for t in table:
-        n = tensor_nbytes(t)
-        received = torch.empty(n, dtype=torch.uint8)
-        if n:
-            byte_view(received, n)[:] = byte_view(t, n)
-        out.append(received)
-    return out
-
-
-def roundtrip(obj):
-    payload, table = dumps(obj)
-    return loads(payload, wire(table)), payload, table
-
-
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    """The logical values of ``t`` as bytes (conjugation / negation resolved)."""
-    t = t.detach().resolve_conj().resolve_neg().contiguous()
-    return t.reshape(-1).view(torch.uint8)
-
-
-_NO_TORCH_EQUAL = {getattr(torch, "complex32", None)}
-
-
-def differences(expected, got, path: str = "value") -> list[str]:
-    """Every way ``got`` differs from ``expected`` (empty list: the same)."""
-    if isinstance(expected, torch.Tensor):
-        if not isinstance(got, torch.Tensor):
-            return [f"{path}: expected a tensor, got {type(got).__name__}"]
-        problems = []
-        for attr in ("dtype", "shape", "requires_grad", "layout", "is_sparse"):
-            a, b = getattr(expected, attr), getattr(got, attr)
-            if a != b:
-                problems.append(f"{path}.{attr}: {a} != {b}")
-        if type(expected) is not type(got):
-            problems.append(f"{path}: type {type(expected).__name__} != {type(got).__name__}")
-        if problems:
-            return problems
-        if expected.is_sparse:
-            if expected.is_coalesced() != got.is_coalesced():
-                problems.append(f"{path}.is_coalesced: {expected.is_coalesced()} != "
-                                f"{got.is_coalesced()}")
-            if not torch.equal(expected.detach().to_dense(), got.detach().to_dense()):
-                problems.append(f"{path}: sparse values differ (to_dense)")
-            if not (torch.equal(expected._indices(), got._indices())
-                    and torch.equal(expected._values().detach(), got._values().detach())):
-                problems.append(f"{path}: sparse indices/values differ")
-            return problems
-        if expected.dtype not in _NO_TORCH_EQUAL and not torch.equal(expected.detach(),
-                                                                     got.detach()):
-            problems.append(f"{path}: values differ (torch.equal)")
-        if not torch.equal(_bits(expected), _bits(got)):
-            problems.append(f"{path}: bytes differ")
-        return problems
-    if isinstance(expected, dict):
-        if not isinstance(got, dict) or list(expected) != list(got):
-            return [f"{path}: dict keys {list(expected)} != {got!r:.200}"]
-        return [p for k in expected for p in differences(expected[k], got[k], f"{path}[{k!r}]")]
-    if isinstance(expected, (list, tuple)):
-        if type(expected) is not type(got) or len(expected) != len(got):
-            return [f"{path}: {type(expected).__name__}[{len(expected)}] != {got!r:.200}"]
-        return [p for i, (a, b) in enumerate(zip(expected, got))
-                for p in differences(a, b, f"{path}[{i}]")]
-    return [] if expected == got and type(expected) is type(got) else [
-        f"{path}: {expected!r} != {got!r}"]
-
-
-def describe(obj):
-    """A plain-Python summary (picklable over the test harness pipe)."""
-    if isinstance(obj, torch.Tensor):
-        d = {"type": type(obj).__name__, "dtype": str(obj.dtype), "shape": tuple(obj.shape),
-             "requires_grad": obj.requires_grad, "layout": str(obj.layout)}
-        if obj.is_sparse:
-            d["coalesced"] = obj.is_coalesced()
-            d["bits"] = bytes(_bits(obj.detach().to_dense()).numpy())
-        else:
-            d["bits"] = bytes(_bits(obj).numpy())
-        return d
-    if isinstance(obj, dict):
-        return {k: describe(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return (type(obj).__name__, [describe(v) for v in obj])
-    return obj
-
-
-# ------------------------------------------------------------------ the cases
-
-def _gen(seed: int = 1234) -> torch.Generator:
-    return torch.Generator().manual_seed(seed)
-
-
-def _dtype_values(dtype: torch.dtype, shape=(3, 4)) -> torch.Tensor:
-    g = _gen()
-    if dtype is torch.bool:
-        return torch.randint(0, 2, shape, generator=g) == 1
-    if dtype.is_complex:
-        real = torch.randn(shape, generator=g, dtype=torch.float64)
-        imag = torch.randn(shape, generator=g, dtype=torch.float64)
-        return torch.complex(real, imag).to(dtype)
-    if dtype.is_floating_point:
-        x = torch.randn(shape, generator=g) * 4
-        if dtype is getattr(torch, "float8_e8m0fnu", None):  # unsigned exponent-only format
-            x = x.abs() + 0.25
-        return x.to(dtype)
-    info = torch.iinfo(dtype)
-    x = torch.randint(max(info.min, -1000), min(info.max, 1000), shape, generator=g,
-                      dtype=torch.int64).to(dtype)
-    flat = x.view(-1)
-    flat[0] = torch.tensor([info.max], dtype=dtype)[0]
-    flat[1] = torch.tensor([info.min], dtype=dtype)[0]
-    return x
-
-
-_DTYPE_NAMES = ["float16", "float32", "float64", "bfloat16", "complex32", "complex64",
-                "complex128", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32",
-                "uint64", "bool", "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz",
-                "float8_e5m2fnuz", "float8_e8m0fnu"]
-DTYPES = [getattr(torch, n) for n in _DTYPE_NAMES if isinstance(getattr(torch, n, None),
-                                                                 torch.dtype)]
-
-
-def _big() -> torch.Tensor:
-    # 30,000 elements: big next to its views, small enough that torch does not start its
-    # intra-op thread pool in the pytest process (children forked after that hang).
-    return torch.arange(30_000, dtype=torch.float32)
-
-
-def _sparse(coalesce: bool, dtype=torch.float32, requires_grad=False) -> torch.Tensor:
-    # (0, 1) appears twice: uncoalesced, the duplicates must survive as they are
-    indices = torch.tensor([[0, 0, 1, 3, 0], [1, 1, 2, 4, 0]])
-    values = torch.tensor([1.5, 2.0, -3.0, 4.25, 7.0], dtype=dtype)
-    t = torch.sparse_coo_tensor(indices, values, (4, 5), check_invariants=True)
-    if coalesce:
-        t = t.coalesce()
-    if requires_grad:
-        t.requires_grad_(True)
-    return t
-
-
-def _quiet(fn):
-    """Build a case with torch's experimental-dtype warnings silenced (pytest runs with
-    warnings as errors)."""
-    def build():
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            return fn()
-    return build
-
-
-class MyTensor(torch.Tensor):
-    """A tensor subclass: its class must survive the trip."""
-
-
-def _nested():
-    shared = torch.arange(6.0).reshape(2, 3)
-    return {
-        "layers": [(torch.ones(2), torch.zeros(3, dtype=torch.int64)),
-                   (torch.randn(2, 2, generator=_gen()), shared)],
-        "meta": {"step": 7, "name": "ckpt", "scale": 0.5, "flags": (True, None)},
-        "again": [shared, (shared.t(),)],
-        "empty": [],
-    }
-
-
-CASES = {f"dtype_{str(d).split('.')[-1]}": _quiet(lambda d=d: _dtype_values(d)) for d in DTYPES}
-CASES.update({
-    "0dim_float32": lambda: torch.tensor(3.25),
-    "0dim_int64": lambda: torch.tensor(-(2 ** 40)),
-    "0dim_bool": lambda: torch.tensor(True),
-    "0dim_complex128": lambda: torch.tensor(1.5 - 2.5j, dtype=torch.complex128),
-    "0dim_bfloat16": lambda: torch.tensor(0.1, dtype=torch.bfloat16),
-    "empty_1d": lambda: torch.empty(0),
-    "empty_0x3": lambda: torch.empty(0, 3, dtype=torch.float64),
-    "empty_2x0x5_int32": lambda: torch.empty(2, 0, 5, dtype=torch.int32),
-    "empty_transposed": lambda: torch.empty(3, 0).t(),
-    "transposed": lambda: torch.randn(4, 6, generator=_gen()).t(),
-    "strided_slice": lambda: torch.randn(10, 10, generator=_gen())[::2, 1::3],
-    "flipped": lambda: torch.arange(10).flip(0),
-    "expanded": lambda: torch.tensor([[1.0, 2.0, 3.0]]).expand(4, 3),
-    "channels_last": lambda: torch.randn(2, 3, 4, 5, generator=_gen()).to(
-        memory_format=torch.channels_last),
-    "view_of_big_slice": lambda: _big()[1000:1010],
-    "view_of_big_row": lambda: _big().view(100, 300)[5],
-    "view_of_big_column": lambda: _big().view(100, 300)[:, 7],
-    "view_of_big_0dim": lambda: _big()[12345],
-    "complex_conj": lambda: torch.tensor([1 + 2j, 3 - 4j, -5 + 0.5j]).conj(),
-    "sparse_coalesced": lambda: _sparse(True),
-    "sparse_uncoalesced": lambda: _sparse(False),
-    "sparse_float64_requires_grad": lambda: _sparse(True, torch.float64, requires_grad=True),
-    "sparse_hybrid": lambda: torch.sparse_coo_tensor(
-        torch.tensor([[0, 2]]), torch.tensor([[1.0, 2.0], [3.0, 4.0]]), (3, 2),
-        check_invariants=True),
-    "sparse_empty": lambda: torch.sparse_coo_tensor(
-        torch.empty(2, 0, dtype=torch.int64), torch.empty(0), (3, 3), check_invariants=True),
-    "requires_grad_leaf": lambda: torch.randn(3, 2, generator=_gen()).requires_grad_(),
-    "requires_grad_non_leaf": lambda: torch.randn(3, generator=_gen()).requires_grad_() * 2,
-    "requires_grad_false_float": lambda: torch.randn(3, generator=_gen()),
-    "parameter": lambda: torch.nn.Parameter(torch.randn(2, 3, generator=_gen())),
-    "parameter_frozen": lambda: torch.nn.Parameter(torch.randn(2, generator=_gen()),
-                                                   requires_grad=False),
-    "subclass": lambda: torch.arange(4.0).as_subclass(MyTensor),
-    "nested_containers": _nested,
-    "same_tensor_twice": lambda: (lambda t: [t, t, {"k": t}])(torch.arange(5)),
-    "many_small_tensors": lambda: [torch.full((i % 7,), float(i)) for i in range(200)],
-    "tensors_and_python_values": lambda: (1, "two", 3.0, None, b"bytes",
-                                          {"t": torch.ones(2, dtype=torch.int16)}),
-})
-
-
-def build(name: str):
-    return CASES[name]()
 
 
 # ------------------------------------------------------------------ (a) in process
@@ -515,6 +292,20 @@ def test_corrupt_payload_is_serialization_error():
         loads(payload, [])  # the tensor table is missing
 
 
+def test_non_contiguous_view_keeps_its_strides_and_sends_its_span_only():
+    base = torch.rand(5, 5)
+    view = base.narrow(1, 2, 2)  # strides (5, 1): not contiguous
+    payload, table = dumps(view)
+    assert sum(t.numel() * t.element_size() for t in table) == 22 * 4  # span, not 25
+    got = loads(payload, [t.reshape(-1).view(torch.uint8).clone() for t in table])
+    assert torch.equal(got, view) and not got.is_contiguous() and got.stride() == (5, 1)
+    sparse = torch.arange(100_000.0)[::1000]  # spans 99 001 elements for 100: compacted
+    payload, table = dumps(sparse)
+    assert sum(t.numel() * t.element_size() for t in table) == 100 * 4
+    got = loads(payload, [t.reshape(-1).view(torch.uint8).clone() for t in table])
+    assert torch.equal(got, sparse)
+
+
 # ------------------------------------------------------------------ (b) through real RPC
 
 
@@ -613,268 +404,7 @@ def test_more_tensors_than_fit_the_read_buffer_in_one_message():
     assert run_world(body, 2, timeout=60)[0] == (40_000, True)
 
 
-# ------------------------------------------------------------------ (c) frame codec
-
-
-@pytest.mark.parametrize("kind", list(F.Kind))
-@pytest.mark.parametrize("lens", [[], [0], [1, 2, 3], [2 ** 39, 7]])
-def test_header_round_trip(kind, lens):
-    rid = 2 ** 64 - 3
-    data = F.encode_header(int(kind), F.F_ERROR, rid, 12345, lens)
-    assert len(data) == F.HEADER_SIZE + 8 * len(lens)
-    assert F.decode_header(data) == (int(kind), F.F_ERROR, rid, 12345, len(lens))
-    assert F.decode_buffer_lens(data[F.HEADER_SIZE:], len(lens), 12345) == lens
-
-
-def test_header_layout_is_little_endian_and_fixed():
-    data = F.encode_header(F.K_REQUEST, 0, 0x0102030405060708, 0x11, [0x22])
-    assert F.HEADER_SIZE == 32
-    assert data[:4] == b"TW\x07\x03"  # magic, version 7, kind REQUEST
-    assert struct.unpack_from("<I", data, 4)[0] == 0  # flags
-    assert struct.unpack_from("<Q", data, 8)[0] == 0x0102030405060708
-    assert struct.unpack_from("<Q", data, 16)[0] == 0x11  # payload length
-    assert struct.unpack_from("<I", data, 24)[0] == 1  # number of buffers
-    assert struct.unpack_from("<Q", data, 32)[0] == 0x22  # first buffer length
-    assert [int(k) for k in F.Kind] == [1, 2, 3, 4, 5, 6, 7, 8, 9]
-    assert [int(op) for op in F.ControlOp] == [1, 2]
-    assert (F.F_ERROR, F.F_CMA, F.F_SHM, F.F_RETIRE, F.F_PLAIN) == (1, 2, 4, 8, 16)
-
-
-def test_wrong_magic_is_protocol_error():
-    data = b"XY" + F.encode_header(F.K_REQUEST, 0, 1, 0, [])[2:]
-    with pytest.raises(torchwire.ProtocolError, match="magic"):
-        F.decode_header(data)
-    with pytest.raises(torchwire.ProtocolError):
-        F.decode_header(b"GET / HTTP/1.1\r\nHost: example\r\n\r\n")
-
-
-@pytest.mark.parametrize("version", [0, 1, 2, 3, 4, 5, 6, 8, 255])
-def test_wrong_version_is_protocol_error(version):
-    data = bytearray(F.encode_header(F.K_REQUEST, 0, 1, 0, []))
-    data[2] = version
-    with pytest.raises(torchwire.ProtocolError, match="version"):
-        F.decode_header(bytes(data))
-
-
-@pytest.mark.parametrize("kind", [0, 10, 200, 255])
-def test_unknown_kind_is_protocol_error(kind):
-    data = F.encode_header(kind, 0, 1, 0, [])
-    with pytest.raises(torchwire.ProtocolError, match="kind"):
-        F.decode_header(data)
-
-
-def test_payload_over_max_message_size_is_protocol_error():
-    assert F.decode_header(F.encode_header(F.K_REQUEST, 0, 1, 1000, []), 1000)[3] == 1000
-    with pytest.raises(torchwire.ProtocolError, match="max message size"):
-        F.decode_header(F.encode_header(F.K_REQUEST, 0, 1, 1001, []), 1000)
-    with pytest.raises(torchwire.ProtocolError):
-        F.decode_header(F.encode_header(F.K_RESPONSE, 0, 1, 2 ** 64 - 1, []))
-
-
-def test_buffers_over_max_message_size_is_protocol_error():
-    lens = [300, 200]
-    data = F.encode_header(F.K_REQUEST, 0, 1, 500, lens)
-    table = data[F.HEADER_SIZE:]
-    assert F.decode_buffer_lens(table, 2, 500, max_message_size=1000) == lens
-    with pytest.raises(torchwire.ProtocolError, match="max message size"):
-        F.decode_buffer_lens(table, 2, 501, max_message_size=1000)
-
-
-def test_too_many_buffers_is_protocol_error():
-    data = F.pack_header(F.K_REQUEST, 0, 1, 0, F.MAX_BUFFERS + 1)
-    with pytest.raises(torchwire.ProtocolError, match="buffers"):
-        F.decode_header(data)
-    ok = F.pack_header(F.K_REQUEST, 0, 1, 0, F.MAX_BUFFERS)
-    assert F.decode_header(ok)[4] == F.MAX_BUFFERS
-
-
-# ------------------------------------------------------------------ (c) Connection reader
-
-
-class _Sink:
-    """on_frames / on_close callbacks that record what a reader delivers."""
-
-    def __init__(self) -> None:
-        self.frames: list = []
-        self.closed = threading.Event()
-        self.close_exc = None
-
-    def on_frames(self, conn, frames, at_rest=False) -> bool:
-        self.frames.extend(frames)
-        return False
-
-    def on_close(self, conn, exc) -> None:
-        self.close_exc = exc
-        self.closed.set()
-
-
-def _reader(max_message_size=F.DEFAULT_MAX_MESSAGE_SIZE):
-    a, b = socket.socketpair()
-    sink = _Sink()
-    conn = Connection(a, 1, sink.on_frames, sink.on_close, max_message_size=max_message_size,
-                      initiated=False, transport="unix")
-    conn.start()
-    return conn, b, sink
-
-
-def test_connection_delivers_frames_with_their_tensors():
-    conn, peer_sock, sink = _reader()
-    sender_sink = _Sink()
-    sender = Connection(peer_sock, 0, sender_sink.on_frames, sender_sink.on_close,
-                        initiated=True, transport="unix")
-    sender.start()
-    try:
-        # "y" is larger than the reader's 256 KiB buffer: received straight into storage
-        value = {"x": torch.arange(10, dtype=torch.int16), "y": torch.randn(300_000)}
-        payload, table = dumps(value)
-        sender.send_frame(F.K_REQUEST, 0, 42, payload, table)
-        sender.send_frame(F.K_GOODBYE, 0, 0, b"")
-        sender.close()  # both frames are in the kernel: send_frame flushed them
-        assert sink.closed.wait(10)
-        assert sink.close_exc is None  # clean EOF after a GOODBYE
-        assert [f[:3] for f in sink.frames] == [(F.K_REQUEST, 0, 42), (F.K_GOODBYE, 0, 0)]
-        kind, flags, rid, got_payload, tensors = sink.frames[0]
-        assert bytes(got_payload) == payload
-        # "x" came whole with the frame's first read: handed on as a bytearray (typed
-        # by the unpickler, no torch call in the reader); "y" as a uint8 tensor
-        assert type(tensors[0]) is bytearray and len(tensors[0]) == 20
-        assert tensors[1].dtype == torch.uint8 and tensors[1].numel() == 1_200_000
-        got = loads(got_payload, tensors)
-        assert torch.equal(got["x"], value["x"])
-        # compared with numpy: torch.equal on 300k elements would start torch's thread pool
-        assert got["y"].shape == value["y"].shape
-        assert got["y"].numpy().tobytes() == value["y"].numpy().tobytes()
-    finally:
-        sender.close()
-        conn.close()
-
-
-def _cma_frame(rid: int, t: torch.Tensor, token: int) -> bytes:
-    """A request whose one buffer stays in this process's memory (CMA)."""
-    n = tensor_nbytes(t)
-    return (F.encode_header(F.K_REQUEST, F.F_CMA, rid, 3, [n | F.REMOTE_BIT]) + b"abc"
-            + F.REMOTE_REF.pack(t.data_ptr(), token))
-
-
-def test_a_reader_sends_cma_releases_itself_and_never_blocks_on_a_full_socket():
-    import os
-    a, b = socket.socketpair()
-    sink = _Sink()
-    deferred: list = []
-    ran = threading.Event()
-
-    def defer(fn, *args):  # the pool: record, run on another thread
-        deferred.append(fn)
-        threading.Thread(target=lambda: (fn(*args), ran.set()), daemon=True).start()
-
-    # This process plays the peer: the reader reads the buffers from our own memory.
-    conn = Connection(a, 1, sink.on_frames, sink.on_close, initiated=False, transport="unix",
-                      channels=ChannelSet(cma_pid=os.getpid()), defer=defer)
-    conn.start()
-    src = torch.arange(100_000, dtype=torch.int32)
-    try:
-        # 1. An idle socket: the reader writes the RELEASE itself, no other thread.
-        b.sendall(_cma_frame(11, src, token=7))
-        got = b.recv(F.HEADER_SIZE)
-        assert F.HEADER.unpack(got)[2:5] == (F.K_RELEASE, 0, 7)
-        assert deferred == []
-        assert sink.frames[0][4][0].view(torch.int32).equal(src)
-        # 2. The socket towards the peer is full: the reader must not block on it.
-        a.setblocking(False)
-        filled = 0
-        try:
-            while True:
-                filled += a.send(b"\0" * 65536)
-        except BlockingIOError:
-            pass
-        a.setblocking(True)
-        b.sendall(_cma_frame(12, src, token=8))
-        deadline = time.monotonic() + 10
-        while len(sink.frames) < 2 and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert len(sink.frames) == 2, "the reader blocked on its full socket"
-        assert len(deferred) == 1  # the pool writes the RELEASE once there is room
-        assert not ran.is_set()
-        drained = bytearray()
-        b.settimeout(10)
-        while len(drained) < filled + F.HEADER_SIZE:
-            drained += b.recv(1 << 20)
-        assert ran.wait(10)
-        assert F.HEADER.unpack(bytes(drained[filled:]))[2:5] == (F.K_RELEASE, 0, 8)
-        assert conn.frames_out == 2 and not conn.closed
-    finally:
-        conn.close()
-        b.close()
-
-
-@pytest.mark.parametrize("raw,match", [
-    (b"XY" + F.encode_header(F.K_REQUEST, 0, 1, 0, [])[2:], "magic"),
-    (F.encode_header(F.K_REQUEST, 0, 1, 0, [])[:2] + b"\x09"
-     + F.encode_header(F.K_REQUEST, 0, 1, 0, [])[3:], "version"),
-    (F.encode_header(10, 0, 1, 0, []), "kind"),
-    (F.encode_header(F.K_REQUEST, 0, 1, 5000, []), "max message size"),
-    (F.encode_header(F.K_REQUEST, 0, 1, 10, [5000]), "max message size"),
-], ids=["magic", "version", "kind", "payload_too_big", "buffers_too_big"])
-def test_connection_drops_a_peer_that_breaks_the_protocol(raw, match):
-    conn, peer_sock, sink = _reader(max_message_size=4096)
-    try:
-        peer_sock.sendall(raw)
-        assert sink.closed.wait(10)
-        assert isinstance(sink.close_exc, torchwire.ProtocolError)
-        assert match in str(sink.close_exc)
-        assert sink.frames == []
-        assert conn.closed
-    finally:
-        conn.close()
-        peer_sock.close()
-
-
-def test_connection_reads_a_frame_with_more_buffers_than_its_read_buffer_holds():
-    # 40,000 one-byte buffers: an 8-byte length each is 320,000 bytes of length table,
-    # more than the reader's 256 KiB buffer, yet well under frame.MAX_BUFFERS.
-    n = 40_000
-    conn, peer_sock, sink = _reader()
-    try:
-        lens = [1] * n
-        body = b"payload" + bytes(i % 256 for i in range(n))
-        def send():
-            try:
-                peer_sock.sendall(F.encode_header(F.K_CONTROL, 0, 5, 7, lens) + body)
-                peer_sock.shutdown(socket.SHUT_WR)
-            except OSError:  # the reader dropped the connection: reported below
-                pass
-
-        sender = threading.Thread(target=send, daemon=True)
-        sender.start()
-        assert sink.closed.wait(10)
-        assert sink.close_exc is None or not isinstance(sink.close_exc, torchwire.ProtocolError), (
-            f"frame with {n} buffers refused: {sink.close_exc}")
-        assert len(sink.frames) == 1
-        kind, _, rid, payload, tensors = sink.frames[0]
-        assert (kind, rid, bytes(payload)) == (F.K_CONTROL, 5, b"payload")
-        assert len(tensors) == n
-        assert [int(t[0]) for t in tensors[:300]] == [i % 256 for i in range(300)]
-    finally:
-        sender.join(10)
-        conn.close()
-        peer_sock.close()
-
-
-def test_non_contiguous_view_keeps_its_strides_and_sends_its_span_only():
-    base = torch.rand(5, 5)
-    view = base.narrow(1, 2, 2)  # strides (5, 1): not contiguous
-    payload, table = dumps(view)
-    assert sum(t.numel() * t.element_size() for t in table) == 22 * 4  # span, not 25
-    got = loads(payload, [t.reshape(-1).view(torch.uint8).clone() for t in table])
-    assert torch.equal(got, view) and not got.is_contiguous() and got.stride() == (5, 1)
-    sparse = torch.arange(100_000.0)[::1000]  # spans 99 001 elements for 100: compacted
-    payload, table = dumps(sparse)
-    assert sum(t.numel() * t.element_size() for t in table) == 100 * 4
-    got = loads(payload, [t.reshape(-1).view(torch.uint8).clone() for t in table])
-    assert torch.equal(got, sparse)
-
-
-# ---------------------------------------------------------------- plain messages' tensors
+# ---------------------------------------------------------------- (c) plain messages' tensors
 
 @pytest.mark.parametrize("dtype", list(ser.plain._PLAIN_DTYPES))
 @pytest.mark.parametrize("shape", [(0,), (5,), (2, 3), (1, 0, 4), ()])
