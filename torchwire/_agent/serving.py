@@ -9,7 +9,8 @@ function and send its reply on the connection they came in on:
 * a PLAIN request is either a call (decoded by the plain codec) or an internal
   one-way message, handed to the handler its kind's layer registered;
 * a request whose arguments hold an RRef fork its owner has not confirmed yet runs
-  once it is (no thread waits meanwhile);
+  once it is (no thread waits meanwhile), or fails with the error that names the
+  owner if it never will be;
 * a function that returns a coroutine (``async def``) has it run as a task of the
   worker's event loop (``coroutines.py``); the reply is sent when the task ends,
   from the loop thread if it is small and plain, else from the pool;
@@ -138,7 +139,8 @@ class Server:
                 # has not confirmed): run the function once it is, without holding
                 # this thread.
                 torch.futures.collect_all(gates).add_done_callback(
-                    lambda _f: self._pool.submit(self.run, conn, rid, func, args, kwargs))
+                    lambda _f: self._pool.submit(self._run_gated, conn, rid, gates, func,
+                                                 args, kwargs))
                 return
             self.run(conn, rid, func, args, kwargs)
         finally:
@@ -175,6 +177,18 @@ class Server:
         except Exception:
             log.exception("torchwire: internal message from %s failed",
                           self._agent.name_of(conn.peer_rank))
+
+    def _run_gated(self, conn, rid: int, gates: list, func, args, kwargs) -> None:
+        """Pool: run a request whose gates are settled, or reply with the error of one
+        that failed (an RRef fork its owner will never confirm: the error names it)."""
+        for gate in gates:
+            try:
+                gate.value()
+            except Exception as exc:
+                del func, args, kwargs  # release the RRefs before replying
+                self.reply_error(conn, rid, exc, "")
+                return
+        self.run(conn, rid, func, args, kwargs)
 
     def run(self, conn, rid: int, func, args, kwargs) -> None:
         """Run a decoded request and reply (now, or when its future completes)."""

@@ -28,7 +28,7 @@ from .._agent.future import Future
 from .._base.errors import RpcStateError, RRefError, WorkerUnavailableError
 from .handlers import remote_exec
 from .janitor import Janitor
-from .records import Entry, Event, Id, UserState, context, gid, open_gate
+from .records import Entry, Event, Id, UserState, context, fail_gate, gid, open_gate
 from .rref import RRef
 
 log = logging.getLogger("torchwire")
@@ -108,8 +108,11 @@ class RRefContext:
 
     def add_fork(self, entry: Entry, fork_id: Id, holder: int) -> bool:
         with self._lock:
-            if self._dead_forks.pop(fork_id, None) is not None:
-                return False  # its deletion overtook it
+            # Its deletion overtook it.  The tombstone stays (until trimmed): a FORK
+            # retried after timeouts arrives several times, and the DEL of a fork its
+            # holder gave up on may come before all of them (janitor.py).
+            if fork_id in self._dead_forks:
+                return False
             if self._holder_lost(holder):
                 return False
             entry.forks[fork_id] = holder
@@ -173,6 +176,23 @@ class RRefContext:
     def forget_user(self, state: UserState) -> None:
         with self._lock:
             self._users.pop(state.fork_id, None)
+
+    def fork_failed(self, state: UserState, cause: BaseException) -> None:
+        """The owner will never confirm ``state``'s fork (its FORK message timed out
+        every time, could not be sent, or failed): the RRef cannot be used.  Every use
+        raises :meth:`owner_lost`'s error, naming the owner and ``cause``; so does the
+        request waiting for the confirmation (its gate fails with that error).  The
+        janitor forgets the fork itself (``Event.ABANDONED``)."""
+        lost = self._loss(state.owner, cause)
+        with self._lock:
+            if state.lost is None:  # peer_lost may have been first: keep its cause
+                state.lost = lost
+        fail_gate(state, self.owner_lost(state))
+
+    def _loss(self, rank: int, error: BaseException) -> tuple:
+        """``UserState.lost`` for a fork whose owner ``rank`` was lost with ``error``."""
+        member = self.agent.names.member(rank)  # None once a restart replaced it
+        return (error, member.record.incarnation if member is not None else None)
 
     def drop_child(self, fork_id: Id) -> None:
         with self._lock:
@@ -284,8 +304,7 @@ class RRefContext:
         forks = self.forks_of(rank)
         for rref_id, fork_id in forks:
             self.del_fork(rref_id, fork_id)
-        member = self.agent.names.member(rank)  # None once a restart replaced it
-        lost = (error, member.record.incarnation if member is not None else None)
+        lost = self._loss(rank, error)
         with self._lock:
             users = [s for s in self._users.values() if s.owner == rank]
             for state in users:

@@ -10,7 +10,14 @@ Messages (:class:`~.records.ControlOp`, applied by ``handlers.rref_control``):
 
 * FORK, to the owner, as a call: its reply confirms the fork; a timeout is retried
   (``_CONTROL_RETRIES`` times: the message is idempotent); a refusal (the value is
-  gone) or a lost owner forgets the fork.
+  gone) or a lost owner forgets the fork.  A fork the owner never confirms (every try
+  timed out, or the message could not be sent or failed) is unusable: its RRef and
+  the request gated on it fail with an error naming the owner and the cause
+  (``RRefContext.fork_failed``).  Its parent is released (an ACCEPT), and it is
+  undone at the owner (a DEL; best effort: after timeouts the owner may have
+  registered it, or still do so: a DEL that comes first leaves a tombstone that every
+  later copy of the FORK meets, but a copy run after a DEL that found the fork
+  registered registers it again).
 * DEL and ACCEPT, as one-way requests: a lost one can only mean a lost peer.
 
 Deletion and confirmation race (the creation reply of ``remote()`` arrives on a
@@ -27,9 +34,9 @@ import threading
 import time
 
 from .._agent.future import add_done_callback
-from .._base.errors import RpcTimeoutError
+from .._base.errors import RpcTimeoutError, RRefError
 from .handlers import rref_control
-from .records import ControlOp, Event, UserState, open_gate
+from .records import ControlOp, Event, fail_gate, gid, open_gate
 
 log = logging.getLogger("torchwire")
 
@@ -132,6 +139,18 @@ class Janitor:
                 state = ev[1]
                 state.gone = True
                 ctx.forget_user(state)
+            elif kind is Event.ABANDONED:
+                state, parent = ev[1], ev[2]
+                ctx.forget_user(state)
+                if not state.gone:
+                    state.gone = True
+                    out.setdefault(state.owner, []).append(
+                        (ControlOp.DEL, state.rref_id, state.fork_id, None))
+                if parent == ctx.rank:
+                    ctx.drop_child(state.fork_id)
+                else:
+                    out.setdefault(parent, []).append(
+                        (ControlOp.ACCEPT, None, state.fork_id, None))
             elif kind is Event.FORK:
                 state, parent = ev[1], ev[2]
                 out.setdefault(state.owner, []).append(
@@ -162,32 +181,37 @@ class Janitor:
         try:
             fut = agent.call(agent.get_worker_info(dest), rref_control, (ctx.rank, wire),
                              None, timeout)
-        except Exception as exc:
+        except Exception as exc:  # the owner left the group, or this agent shut down
             with self._lock:
                 self._inflight -= 1
             log.debug("torchwire: RRef control to rank %d not sent: %s", dest, exc)
+            self._failed(ops, exc)
             return
-        add_done_callback(fut, lambda f: self._forks_done(f, dest, ops, attempt))
+        add_done_callback(fut, lambda f: self._forks_done(f, dest, ops, attempt, timeout))
 
-    def _forks_done(self, fut, dest: int, ops: list, attempt: int) -> None:
+    def _forks_done(self, fut, dest: int, ops: list, attempt: int, timeout: float) -> None:
         ctx = self._ctx
         try:
             fut.wait()
-        except RpcTimeoutError:
+        except RpcTimeoutError as exc:
             if attempt < _CONTROL_RETRIES and not self._closed:
                 self.put((Event.RETRY, dest, ops, attempt + 1))
             else:
                 log.warning("torchwire: RRef control messages to rank %d timed out %d times; "
                             "giving up", dest, attempt + 1)
+                self._failed(ops, exc, tries=attempt + 1, timeout=timeout)
         except Exception as exc:
             log.debug("torchwire: RRef control messages to rank %d failed: %s", dest, exc)
-            for _op, _rid, _fid, (state, _parent) in ops:
-                self._lost(state)
+            self._failed(ops, exc)
         else:
             refused = set(fut.value() or ())
             for _op, _rid, fid, (state, parent) in ops:
                 if fid in refused:
-                    self._lost(state)
+                    self.put((Event.LOST, state))
+                    fail_gate(state, RRefError(
+                        f"RRef {gid(state.rref_id)} cannot be used: its owner, worker "
+                        f"{ctx.agent.name_of(state.owner)} (rank {state.owner}), refused "
+                        f"fork {gid(fid)}: the value was already deleted"))
                     continue
                 state.confirmed = True
                 open_gate(state)
@@ -200,6 +224,17 @@ class Janitor:
             with self._lock:
                 self._inflight -= 1
 
-    def _lost(self, state: UserState) -> None:
-        self.put((Event.LOST, state))
-        open_gate(state)
+    def _failed(self, ops: list, exc: BaseException, tries: int = 0,
+                timeout: float = 0.0) -> None:
+        """The owner will never confirm these forks: ``exc`` is why (the last of
+        ``tries`` timeouts of ``timeout`` seconds each, or the failure)."""
+        ctx = self._ctx
+        for _op, _rid, fid, (state, parent) in ops:
+            if tries:
+                cause: BaseException = RpcTimeoutError(
+                    f"it did not confirm fork {gid(fid)}: the FORK message timed out "
+                    f"{tries} times ({timeout:g} s each; the last: {exc})")
+            else:
+                cause = exc
+            ctx.fork_failed(state, cause)
+            self.put((Event.ABANDONED, state, parent))

@@ -101,11 +101,33 @@ class UserState:
                 f"confirmed={self.confirmed} deleted={self.deleted} gone={self.gone}>")
 
 
+# The janitor's callbacks (a confirmation, a failed FORK) and the agent's
+# ``peer_lost`` may settle one fork's gate at once: it is taken under this lock,
+# so exactly one of them completes it.
+_gate_lock = threading.Lock()
+
+
+def _take_gate(state: UserState):
+    with _gate_lock:
+        gate, state.gate = state.gate, None
+    return gate
+
+
 def open_gate(state: UserState) -> None:
     """Let a request waiting for this fork's confirmation run its function."""
-    gate, state.gate = state.gate, None
+    gate = _take_gate(state)
     if gate is not None:
         gate.set_result(None)
+
+
+def fail_gate(state: UserState, error: BaseException) -> None:
+    """The owner will never confirm this fork: the gate of the request waiting for it
+    fails with ``error`` (which names the owner and why).  The caller records the
+    failure on ``state`` first, so the function that may still run with this RRef
+    raises it on any use."""
+    gate = _take_gate(state)
+    if gate is not None:
+        gate.set_exception(error)
 
 
 class Event(enum.Enum):
@@ -117,6 +139,9 @@ class Event(enum.Enum):
     FORK = "fork"  # (state, parent rank): tell the owner of a new fork
     ACCEPT = "accept"  # (parent rank, fork id): tell the parent the owner knows the child
     RETRY = "retry"  # (dest, ops, attempt): send timed-out fork messages again
+    # (state, parent rank): the owner will never confirm the fork: undo it there (a
+    # DEL; a registration arriving later meets its tombstone) and release the parent
+    ABANDONED = "abandoned"
     STOP = "stop"  # (): the context is closed
 
 

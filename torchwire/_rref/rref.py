@@ -15,7 +15,7 @@ from .._base.errors import RpcTimeoutError, RRefError
 from .._base.options import UNSET_RPC_TIMEOUT, resolve_timeout
 from .._base.worker_info import WorkerInfo
 from .handlers import proxy_invoke, rref_fetch, rref_type, type_of
-from .records import Entry, Event, UserState, context, gid
+from .records import Entry, Event, UserState, context, gid, wait_done
 
 
 class RRef:
@@ -244,6 +244,11 @@ class RRef:
         """Type of the value, fetched from the owner once and cached.
 
         With ``blocking=False`` returns a future of it.
+
+        Raises:
+            RpcTimeoutError: (blocking) the type was not known within ``timeout``
+                seconds (-1: the RPC default; 0: no limit): on a user RRef, the query
+                to the owner timed out; on the owner, the value is not made yet.
         """
         if blocking and self._type is not None:
             return self._type
@@ -254,9 +259,11 @@ class RRef:
             except Exception:
                 fut = self._type_future = None  # it failed: ask again
         if fut is not None:
-            return fut if not blocking else fut.wait()
+            # made by an earlier call, with its own timeout (or none: the owner's)
+            return fut if not blocking else self._wait_type(fut, timeout)
         if self._type is None:
             self._check_alive("a proxy")
+        asked = False  # a query to the owner, which its own timeout bounds
         if self._type is not None:
             fut = _done(self._type)
         elif self._entry is not None:
@@ -266,6 +273,7 @@ class RRef:
             fut = agent.call(agent.get_worker_info(self._owner), rref_type,
                              (self._user.rref_id,), None,
                              resolve_timeout(timeout, agent.rpc_timeout), pin=self)
+            asked = True
 
         def keep(f):
             try:
@@ -276,8 +284,19 @@ class RRef:
         self._type_future = fut
         if not blocking:
             return fut
-        self._type = fut.wait()  # now: the next call must find it
+        # now: the next call must find it
+        self._type = fut.wait() if asked else self._wait_type(fut, timeout)
         return self._type
+
+    def _wait_type(self, fut: Future, timeout: float):
+        """``fut.wait()``, at most the call's timeout: on the owner, ``fut`` waits for
+        the value itself (a ``remote()`` still running, or an entry an early fetch made
+        whose creator died), which nothing else bounds."""
+        timeout = resolve_timeout(timeout, context().agent.rpc_timeout)
+        if timeout > 0 and not fut.done():
+            rref_id = self._entry.rref_id if self._entry is not None else self._user.rref_id
+            wait_done(fut, timeout, f"the type of the value of {gid(rref_id)}")
+        return fut.wait()
 
     def _check_alive(self, what: str) -> None:
         state = self._user
