@@ -9,6 +9,7 @@ import multiprocessing as mp
 import os
 import re
 import shutil
+import signal
 import socket
 import ssl
 import subprocess
@@ -175,3 +176,81 @@ def test_a_client_without_a_certificate_is_refused_and_nothing_is_unpickled(pki,
     assert after[:2] == ("ok", 3)  # the worker goes on serving its job
     assert any("refused a tcp connection" in m and "peer did not return a certificate" in m
                for m in logs0), logs0
+
+
+# ---------------------------------------------------------------- writes over TLS
+
+
+def _total(t):
+    return float(t.sum())
+
+
+def test_a_write_to_a_frozen_peer_over_tls_ends_at_the_call_deadline_and_the_link_survives(pki):
+    """worker1 is frozen (SIGSTOP) while worker0 sends it 64 MiB over TLS with a 1 s
+    timeout: the socket fills, ``rpc_async`` returns by the deadline, and the call fails
+    with ``RpcTimeoutError`` at it (without the heartbeat: its timeout is 6 s).  The
+    records already encrypted are finished by a pool thread once worker1 is thawed, so
+    the TLS session is intact and the next call succeeds."""
+    import torch
+
+    pid1, ready, done = _fork.Value("i", 0), _fork.Event(), _fork.Event()
+
+    def body(rank, world_size):
+        if rank == 1:
+            pid1.value = os.getpid()
+            ready.set()
+            assert done.wait(60)  # frozen for part of this
+            return None
+        try:
+            assert ready.wait(30)
+            assert rpc.rpc_sync("worker1", _add, args=(1, 1), timeout=10) == 2  # connected
+            os.kill(pid1.value, signal.SIGSTOP)
+            try:
+                t0 = time.monotonic()
+                fut = rpc.rpc_async("worker1", _total, args=(torch.ones(16 << 20),),
+                                    timeout=1.0)
+                issued = time.monotonic() - t0
+                try:
+                    fut.wait()
+                    failed = ("no error", "")
+                except Exception as exc:
+                    failed = (type(exc).__name__, str(exc))
+                ended = time.monotonic() - t0
+            finally:
+                os.kill(pid1.value, signal.SIGCONT)
+            after = rpc.rpc_sync("worker1", _add, args=(2, 1), timeout=30)
+            return issued, failed, ended, after, sorted(
+                rpc.api._get_current_rpc_agent().health.down())
+        finally:
+            done.set()
+
+    (issued, failed, ended, after, down), _ = run_world(
+        body, 2, timeout=80, _transports=["tcp"], heartbeat_timeout=6.0, **pki["good"])
+    assert failed[0] == "RpcTimeoutError", failed
+    assert issued < 1.0 + 1.5, issued  # the calling thread was not held past the deadline
+    assert ended < 1.0 + 1.5, ended
+    assert after == 3  # the half-sent frame went on, record by record, intact
+    assert down == [], down
+
+
+def test_a_tls_transfer_longer_than_the_heartbeat_timeout_is_not_silence(pki):
+    """768 MiB over TLS with a 0.5 s heartbeat timeout: the sender's pings wait behind
+    the frame, so what keeps the receiver alive in its eyes is the writes the receiver
+    made room for (``progress_out``).  Neither side declares the other lost."""
+    import torch
+
+    def body(rank, world_size):
+        agent = rpc.api._get_current_rpc_agent()
+        out = {}
+        if rank == 0:
+            out["sum"] = rpc.rpc_sync("worker1", _total, args=(torch.ones(192 << 20),),
+                                      timeout=60)
+            out["progress"] = agent.links.connection_to(1)._writer.progress_out
+        out["down"] = sorted(agent.health.down())
+        return out
+
+    reports = run_world(body, 2, timeout=80, _transports=["tcp"], heartbeat_interval=0.1,
+                        heartbeat_timeout=0.5, **pki["good"])
+    assert reports[0]["sum"] == 192 << 20, reports
+    assert reports[0]["progress"] > 0, reports
+    assert [r["down"] for r in reports] == [[], []], reports

@@ -4,11 +4,13 @@
 threads at once, and a connection here has a reader thread blocked in ``recv``
 while other threads write.  :class:`TlsSocket` instead drives an
 ``ssl.SSLObject`` over two memory BIOs.  Encrypting and decrypting happen in
-memory under a lock; the blocking socket I/O happens outside it, so a reader
-waiting for bytes never blocks a writer.  It offers the subset of the socket
-interface a :class:`~torchwire._wire.connection.Connection` uses
-(``recv_into``, ``recv``, ``sendall``, ``sendall_parts`` instead of
-``sendmsg``, ``settimeout``, ``shutdown``, ``close``).
+memory under a lock; the socket I/O happens outside it, so a reader waiting for
+bytes never blocks a writer.  It offers the subset of the socket interface a
+:class:`~torchwire._wire.connection.Connection` uses (``recv_into``, ``recv``,
+``write_nowait`` instead of a non-blocking ``sendmsg``, ``sendall`` and
+``sendall_parts`` for the authentication handshake, ``settimeout``, ``shutdown``,
+``close``).  The writer's records go out without blocking, so a write keeps its
+call's deadline as on a plain socket (``writer.py``).
 
 Both sides present a certificate signed by the configured CA (mutual TLS), and
 the client checks that the server's certificate names the address it dialled
@@ -25,6 +27,7 @@ import time
 
 _RECV = 256 * 1024
 _CHUNK = 256 * 1024  # plaintext encrypted per step: bounds the ciphertext held in memory
+_DONTWAIT = int(getattr(socket, "MSG_DONTWAIT", 0))
 
 
 class TlsConfig:
@@ -85,6 +88,11 @@ class TlsSocket:
                                      server_hostname=server_hostname)
         self._lock = threading.Lock()  # the SSLObject and both BIOs
         self._send_lock = threading.Lock()  # order of ciphertext on the socket
+        # Under ``_send_lock``: ciphertext out of the BIO that the socket has not taken
+        # yet, and how many plaintext bytes of the last record ``write_nowait`` has not
+        # reported as sent (their record is in ``_backlog``).
+        self._backlog: bytes | memoryview = b""
+        self._held = 0
 
     # What passes through to the plain socket (never a way to send or read plaintext).
     _RAW = frozenset({"settimeout", "gettimeout", "fileno", "getpeername", "getsockname",
@@ -100,19 +108,19 @@ class TlsSocket:
             try:
                 with self._lock:
                     self._ssl.do_handshake()
-                self._flush()
+                self._flush(block=True)
                 return
             except ssl.SSLWantReadError:
                 pass
             except ssl.SSLError:
                 try:  # let the peer see our alert (bad certificate, ...)
                     settimeout_until(self.raw, deadline)
-                    self._flush()
+                    self._flush(block=True)
                 except OSError:
                     pass
                 raise
             settimeout_until(self.raw, deadline)
-            self._flush()
+            self._flush(block=True)
             if not self._pull():
                 raise EOFError("peer closed the connection during the TLS handshake")
 
@@ -153,52 +161,98 @@ class TlsSocket:
         return bytes(buf[:got])
 
     # ------------------------------------------------------------------ writing
+    #
+    # Ciphertext must reach the socket exactly as OpenSSL made it, in order: each
+    # record's MAC covers its sequence number, so a record sent twice, dropped or
+    # reordered ends the session.  Only the thread holding ``_send_lock`` moves
+    # ciphertext from the out BIO to the socket, and what the socket did not take
+    # waits in ``_backlog``, sent before anything else by whoever comes next.
 
-    def _write(self, data) -> None:
-        """Encrypt ``data`` and send it; the caller holds ``_send_lock``."""
-        view = memoryview(data).cast("B")
-        for off in range(0, len(view), _CHUNK):
-            with self._lock:
-                self._ssl.write(view[off:off + _CHUNK])
-                out = self._out.read()
-            self.raw.sendall(out)
+    def write_nowait(self, buffers) -> int:
+        """Encrypt ``buffers`` in order and send the records without blocking; return
+        how many plaintext bytes went (0: the socket is full: wait until it is writable
+        and call again).
 
-    def _flush(self) -> None:
-        """Send ciphertext that reading or the handshake produced (unless a writer is busy)."""
-        while True:
-            with self._lock:
-                pending = self._out.pending
-            if not pending or not self._send_lock.acquire(blocking=False):
-                return
-            try:
+        This is a plain socket's ``sendmsg(buffers, (), MSG_DONTWAIT)`` for the writer
+        (``writer.py``), which calls it from one thread at a time on a socket without a
+        timeout.  A record the socket took only part of stays in ``_backlog`` and its
+        plaintext is not counted as sent: the caller passes those bytes again at the head
+        of its next call, which sends the rest of the record and counts them then,
+        without encrypting them twice.
+
+        Raises:
+            OSError: the socket failed.
+        """
+        with self._send_lock:
+            if not self._push():
+                return 0
+            sent, self._held = self._held, 0  # their record is out now
+            for piece in _pieces(buffers, sent):
                 with self._lock:
-                    out = self._out.read()
-                if out:
-                    self.raw.sendall(out)
-            finally:
-                self._send_lock.release()
+                    self._ssl.write(piece)
+                    self._backlog = memoryview(self._out.read())
+                if not self._push():
+                    self._held = len(piece)
+                    return sent
+                sent += len(piece)
+            self._push_pending()  # what reading made while we held the send lock
+            return sent
 
     def sendall_parts(self, parts) -> None:
-        """Send every part in order; small parts are gathered into one TLS record."""
+        """Send every part in order, blocking (the socket's timeout bounds each wait):
+        for the authentication handshake, before a writer owns the socket."""
         with self._send_lock:
-            small = bytearray()
-            for p in parts:
-                n = p.nbytes if isinstance(p, memoryview) else len(p)
-                if n < _CHUNK:
-                    small += p
-                    if len(small) < _CHUNK:
-                        continue
-                    p, small = small, bytearray()
-                elif small:
-                    self._write(small)
-                    small = bytearray()
-                self._write(p)
-            if small:
-                self._write(small)
+            if self._backlog:
+                self.raw.sendall(self._backlog)
+                self._backlog = b""
+            for piece in _pieces(parts, 0):
+                with self._lock:
+                    self._ssl.write(piece)
+                    out = self._out.read()
+                self.raw.sendall(out)
         self._flush()  # anything reading produced while we held the send lock
 
     def sendall(self, data) -> None:
         self.sendall_parts([data])
+
+    def _push(self) -> bool:
+        """Send ``_backlog`` without blocking (on a socket without a timeout); True
+        when all of it is out.  The caller holds ``_send_lock``."""
+        backlog = self._backlog
+        try:
+            while backlog:
+                backlog = backlog[self.raw.send(backlog, _DONTWAIT):]
+        except BlockingIOError:
+            pass
+        finally:
+            self._backlog = backlog
+        return not backlog
+
+    def _push_pending(self) -> None:
+        """Queue what the out BIO holds behind ``_backlog`` and send what the socket
+        takes now; the caller holds ``_send_lock``."""
+        with self._lock:
+            if not self._out.pending:
+                return
+            out = self._out.read()
+        self._backlog = bytes(self._backlog) + out if self._backlog else memoryview(out)
+        self._push()
+
+    def _flush(self, block: bool = False) -> None:
+        """Send ciphertext that reading or the handshake produced.  A reader sends what
+        the socket takes now and leaves the rest to the next writer, which sends it
+        before its own records (a reader must not block on a write; one busy writing
+        meanwhile sends it all).  ``block``: the TLS handshake, alone on the socket,
+        sends it all (the socket's timeout bounds the wait)."""
+        if not self._send_lock.acquire(blocking=block):
+            return
+        try:
+            self._push_pending()
+            if block and self._backlog:
+                self.raw.sendall(self._backlog)
+                self._backlog = b""
+        finally:
+            self._send_lock.release()
 
     # ------------------------------------------------------------------ closing
 
@@ -207,3 +261,31 @@ class TlsSocket:
 
     def close(self) -> None:
         self.raw.close()
+
+
+def _pieces(buffers, skip: int):
+    """The bytes of ``buffers`` after the first ``skip``, in pieces to encrypt: small
+    parts gathered (a frame's header and payload make one record), large ones cut into
+    ``_CHUNK`` slices, so each piece's ciphertext is at most about ``2 * _CHUNK``."""
+    small = bytearray()
+    for p in buffers:
+        view = memoryview(p).cast("B")
+        n = view.nbytes
+        if skip:
+            if skip >= n:
+                skip -= n
+                continue
+            view, n, skip = view[skip:], n - skip, 0
+        if n < _CHUNK:
+            small += view
+            if len(small) >= _CHUNK:
+                yield small
+                small = bytearray()
+            continue
+        if small:
+            yield small
+            small = bytearray()
+        for off in range(0, n, _CHUNK):
+            yield view[off:off + _CHUNK]
+    if small:
+        yield small

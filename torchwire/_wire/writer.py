@@ -10,11 +10,12 @@ The usual case skips the queue: when nobody is writing, the sender writes its
 frame directly (one lock round to take the turn, one to give it back) and only
 then looks for frames queued meanwhile.
 
-Deadlines and backpressure: a sender may pass its call's ``deadline``.  On a plain
-socket every ``sendmsg`` is non-blocking; a socket that is full is waited for with
-``poll`` until the deadline at most.  A frame half written when the deadline passes
-cannot be taken back (the stream would be corrupt), so the rest of the queue goes to
-a pool thread that finishes it without a deadline (a peer that never reads again is
+Deadlines and backpressure: a sender may pass its call's ``deadline``.  Every
+``sendmsg`` is non-blocking (on a TLS link it encrypts too: ``_TlsStream``); a socket
+that is full is waited for with ``poll`` until the deadline at most.  A frame half
+written when the deadline passes cannot be taken back (the stream would be corrupt;
+on TLS, records already encrypted must go as they are), so the rest of the queue goes
+to a pool thread that finishes it without a deadline (a peer that never reads again is
 cut by the heartbeat, which closes the socket and wakes it), and the sender returns:
 its call fails at its deadline by the timer.  Frames queued behind a writing thread
 keep their tensors alive, so the queue is capped at ``max_queued`` bytes: a sender
@@ -114,11 +115,10 @@ class Writer:
         self._defer = defer
         self._broken = broken
         self.nowait = isinstance(sock, socket.socket) and bool(_DONTWAIT)
-        # A TLS link encrypts part by part (its writes block: no deadline there); a
-        # plain socket takes them all in one sendmsg.
-        tls = getattr(sock, "sendall_parts", None)
-        self._sendall = ((lambda parts, deadline=None: tls(parts)) if tls is not None
-                         else partial(_sendall, sock, counter=self))
+        # A TLS link goes the same way as a plain socket (non-blocking writes, the
+        # deadline, the progress count), its records encrypted as they are written.
+        stream = _TlsStream(sock) if hasattr(sock, "write_nowait") else sock
+        self._sendall = partial(_sendall, stream, counter=self)
 
     def enqueue(self, parts: list, tensors, size: int, deadline: float | None = None) -> None:
         """Write one frame's ``parts`` (``size`` bytes; ``tensors`` alive until written),
@@ -304,6 +304,25 @@ class Writer:
         close_fds(dropped)
         self._broken(exc)
         raise ConnectionBrokenError(f"write to rank {self._peer} failed: {exc}") from exc
+
+
+class _TlsStream:
+    """A ``TlsSocket`` as ``_sendall`` uses a socket: ``sendmsg`` encrypts and sends
+    without blocking, and returns how many plaintext bytes went (``write_nowait``).
+    Records the socket took only part of wait in the ``TlsSocket``, so a frame that a
+    deadline cut short goes on later (a pool thread, see the module docstring) exactly
+    as it was encrypted."""
+
+    __slots__ = ("_tls",)
+
+    def __init__(self, tls) -> None:
+        self._tls = tls
+
+    def sendmsg(self, buffers, ancdata=(), flags=0) -> int:
+        return self._tls.write_nowait(buffers)
+
+    def fileno(self) -> int:
+        return self._tls.fileno()
 
 
 def _sendall_fds(sock: socket.socket, parts: list, deadline: float | None = None) -> None:
