@@ -5,8 +5,8 @@ This is the one place that knows every layer.  :func:`start`:
 1. opens the rendezvous store (``rendezvous.open_store``) and a listener;
 2. joins the job: a static group's rendezvous (``rendezvous.join``), or a dynamic
    group's (``membership.join``);
-3. builds the agent, the RRef context and the distributed autograd container, and
-   registers the last two as agent plug-ins
+3. builds the agent, the RRef context, the distributed autograd container and the
+   collectives' state, and registers the last three as agent plug-ins
    (``torchwire._agent.runtime.AgentPlugin``), a dynamic group's membership as its
    ``GroupMembership`` (a static group's admission of rejoined ranks otherwise);
 4. publishes the :class:`~torchwire._agent.runtime.Runtime` in ``current`` - before
@@ -94,6 +94,7 @@ def start(name: str, rank: int, world_size: int | None, options) -> Runtime:
                      Collectives())
         agent.add_plugin(rt.rrefs)
         agent.add_plugin(rt.autograd)
+        agent.add_plugin(rt.collectives)  # a lost worker ends the _all_gather waits for it
         if membership is not None:
             membership.bind(agent)
             agent.set_membership(membership)
