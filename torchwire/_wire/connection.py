@@ -15,6 +15,7 @@ from __future__ import annotations
 import collections
 import logging
 import os
+from functools import partial
 import socket
 import threading
 
@@ -177,9 +178,8 @@ class Connection:
             parts.append(payload)
             parts += frame.parts
             size = F.HEADER_SIZE + 8 * len(lens) + len(payload) + sum(lens)
-            ch.ready(self, frame)
-            try:
-                self._enqueue(parts, tensors, size, deadline)
+            try:  # the channel's part goes once the connection takes the frame
+                self._enqueue(parts, tensors, size, deadline, partial(ch.ready, self, frame))
             except (LinkError, RpcTimeoutError):
                 ch.drop(self, frame)
                 fds.close()

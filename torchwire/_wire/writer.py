@@ -120,9 +120,13 @@ class Writer:
         stream = _TlsStream(sock) if hasattr(sock, "write_nowait") else sock
         self._sendall = partial(_sendall, stream, counter=self)
 
-    def enqueue(self, parts: list, tensors, size: int, deadline: float | None = None) -> None:
+    def enqueue(self, parts: list, tensors, size: int, deadline: float | None = None,
+                admitted=None) -> None:
         """Write one frame's ``parts`` (``size`` bytes; ``tensors`` alive until written),
-        or queue them behind the thread that is writing.
+        or queue them behind the thread that is writing.  ``admitted()``, if given, runs
+        once the frame is taken (the queue had room, the connection is open), before
+        any of it can be written: what else the frame needs sent (a lane's half) goes
+        only then.
 
         Raises:
             ConnectionClosedError: the connection is closed.
@@ -134,6 +138,8 @@ class Writer:
                 self._wait_for_room(size, deadline)
             if self.closed:
                 raise ConnectionClosedError(f"connection to rank {self._peer} is closed")
+            if admitted is not None:
+                admitted()
             self.frames_out += 1
             self.bytes_out += size
             # Nobody writing (so nothing queued) and no descriptors: this thread writes

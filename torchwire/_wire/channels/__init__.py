@@ -126,7 +126,11 @@ class Channel:
         raise NotImplementedError
 
     def ready(self, conn, frame: OutFrame) -> None:
-        """``frame`` (built by this channel) is about to be queued."""
+        """``frame`` (built by this channel) was taken by the connection's writer and
+        will be written; none of it is yet (called under the writer's lock: it must
+        not block).  A frame that does not go after all (refused for a queue full
+        until the deadline or a closed connection, or its write failed) gets
+        :meth:`drop`."""
 
     def drop(self, conn, frame: OutFrame) -> None:
         """``frame`` (built by this channel) will not be sent: undo what ``encode``

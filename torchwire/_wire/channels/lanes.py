@@ -22,7 +22,10 @@ sender's rank)::
                                                      its connection (ProtocolError)
 
 The main reader waits for the other half (in ``_WAIT_S`` steps, checking for close)
-after handing on the frames decoded before it.
+after handing on the frames decoded before it.  The sender hands the lane half to
+its lane writer only once the main connection's writer has taken the frame
+(``ready``, run by ``Writer.enqueue``): a frame refused for a queue full until the
+call's deadline sends neither half, so no transfer is left half-received.
 """
 
 from __future__ import annotations
