@@ -44,7 +44,7 @@ class WorkerPool:
         self._threads = 0
         self._blocked = 0
         self._stopping = False
-        self._all: list[threading.Thread] = []
+        self._all: set[threading.Thread] = set()  # running threads (each leaves on exit)
         self._seq = 0
 
     def __repr__(self) -> str:
@@ -78,7 +78,7 @@ class WorkerPool:
         self._threads += 1
         self._seq += 1
         t = threading.Thread(target=self._run, name=f"{self._name}-{self._seq}", daemon=True)
-        self._all.append(t)
+        self._all.add(t)
         t.start()
 
     @contextlib.contextmanager
@@ -106,6 +106,7 @@ class WorkerPool:
                 while not queue:
                     if self._stopping:
                         self._threads -= 1
+                        self._all.discard(threading.current_thread())
                         return
                     extra = self._threads - self._blocked > self._core
                     stack.append(waiter)
@@ -121,7 +122,8 @@ class WorkerPool:
                             waiter.acquire()
                     if (not queue and extra and not self._stopping
                             and self._threads - self._blocked > self._core):
-                        self._threads -= 1
+                        self._threads -= 1  # an extra thread retires
+                        self._all.discard(threading.current_thread())
                         return
                 fn, args = queue.popleft()
             share_thread()
