@@ -16,11 +16,17 @@ profiler runs on the calling thread does anything here run:
 
 Adding events to a profile: a legacy profile builds its events in
 ``profiler_legacy._parse_legacy_records`` when it exits, torch.profiler in
-``profile._parse_kineto_results`` when they are first asked for; :func:`install`
-wraps both (once, when RPC starts) so that they also return the events this
-thread's calls gathered since the profile started (:class:`Gathered`).  Event times
-travel as wall-clock microseconds, the legacy profiler's own clock; workers on one
-host share it (across hosts they are as aligned as the hosts' clocks).
+``profile._parse_kineto_results`` when they are first asked for, if ever (a trace
+exported with ``export_chrome_trace``, as ``tensorboard_trace_handler`` does, is
+never parsed).  So each profile owns the events its thread's calls gather
+(:class:`Gathered`): :func:`install` wraps (once, when RPC starts) how either
+profile starts, to give it a list of its own and make it this thread's, how it
+stops, to make it this thread's no more, and how it parses, to add the list's
+events.  The events live as long as the profile object, and no longer; calls on a
+thread where no profile of ours runs (one the profiler state was carried to) ship
+no events under torch.profiler, since nothing would take them.  Event times travel
+as wall-clock microseconds, the legacy profiler's own clock; workers on one host
+share it (across hosts they are as aligned as the hosts' clocks).
 """
 
 from __future__ import annotations
@@ -161,8 +167,15 @@ def rpc_key(mode: str, name: str, caller: str, callee: str) -> str:
 
 
 class Gathered:
-    """Events that this thread's profiled calls brought back (absolute wall-clock
-    times), waiting for the thread's legacy profile to take them when it exits."""
+    """Events that a thread's profiled calls brought back (absolute wall-clock
+    times), waiting for the profile they belong to to parse them.
+
+    Owned by that profile (``_torchwire_gathered``, set by :func:`_own`) and, while
+    it runs, this thread's (``_local.gathered``); or by a request run under
+    :func:`run_profiled`, for the calls it makes.  A call keeps the list it started
+    with, so a reply that arrives after the profile stopped lands in the profile's
+    own list, never in a later one's.
+    """
 
     __slots__ = ("events", "lock")
 
@@ -184,6 +197,8 @@ class Gathered:
 
 
 def _gathered() -> Gathered:
+    """This thread's list; one of its own when no profile of ours runs here (a legacy
+    profiler enabled by hand, parsed by ``_parse_legacy_records`` on this thread)."""
     g = getattr(_local, "gathered", None)
     if g is None:
         g = _local.gathered = Gathered()
@@ -217,14 +232,14 @@ def call(agent, to, func, args, kwargs, timeout: float, pin, sync: bool):
         # completes the call (Kineto takes the end from any thread); unless this is a
         # job trace (which profiles the callee itself), the callee's events come back
         # as under the legacy profiler
-        ship = active is enabled and enabled()
+        gathered = getattr(_local, "gathered", None)  # None: no profile here takes events
+        ship = gathered is not None and active is enabled and enabled()
         probe = Probe(key)
         if active is _always:
             _job_calls.append(probe)
         handle = torch.ops.profiler._record_function_enter_new(key, None)
         try:
             if ship:
-                gathered = _gathered()
                 raw = agent.call(to, run_profiled, (name, False, False, func, args, kwargs),
                                  None, timeout, pin, False, probe)
             else:
@@ -369,10 +384,9 @@ def _profile_start_us(records) -> float:
 _parse = _legacy._parse_legacy_records  # torch's own, before install()
 
 
-def _with_gathered(functions: list, start_us: float) -> list:
-    """``functions`` and the events this thread's calls gathered since ``start_us``
-    (the profile's start, wall clock), at times relative to it as the rest."""
-    g = getattr(_local, "gathered", None)
+def _with_gathered(functions: list, start_us: float, g: Gathered | None) -> list:
+    """``functions`` and the events ``g`` gathered since ``start_us`` (the profile's
+    start, wall clock), at times relative to it as the rest."""
     if g is None:
         return functions
     added = False
@@ -389,35 +403,81 @@ def _with_gathered(functions: list, start_us: float) -> list:
 
 
 def _parse_with_remote(thread_records):
-    """``_parse_legacy_records``, and the events gathered by this thread's calls."""
-    return _with_gathered(_parse(thread_records), _profile_start_us(thread_records))
+    """``_parse_legacy_records``, and the events gathered by this thread's calls (a
+    legacy profile parses as it exits, on its thread: the list is still its own)."""
+    return _with_gathered(_parse(thread_records), _profile_start_us(thread_records),
+                          getattr(_local, "gathered", None))
 
 
 _parse_kineto = _kineto_profile._parse_kineto_results
 
 
 def _parse_kineto_with_remote(self, result, *args, **kwargs):
-    """torch.profiler's parse, and the events gathered by this thread's calls."""
+    """torch.profiler's parse, and the events gathered by the calls of this profile
+    (parsed lazily, perhaps on another thread, perhaps never: its own list)."""
     return _with_gathered(_parse_kineto(self, result, *args, **kwargs),
-                          result.trace_start_ns() / 1000.0)
+                          result.trace_start_ns() / 1000.0,
+                          getattr(self, "_torchwire_gathered", None))
+
+
+def _own(profile) -> None:
+    """``profile`` has started on this thread: the calls made here until it stops
+    gather into a new list of its own (a profile started again, as a scheduled one
+    with ``acc_events`` is, has parsed its last list when it stopped)."""
+    profile._torchwire_gathered = _local.gathered = Gathered()
+
+
+def _disown(profile) -> None:
+    """``profile`` has stopped: its list is no longer this thread's (it stays the
+    profile's, for a parse later, and goes with it)."""
+    g = getattr(profile, "_torchwire_gathered", None)
+    if g is not None and getattr(_local, "gathered", None) is g:
+        _local.gathered = None
 
 
 _start_trace = _legacy.profile._start_trace
+_exit = _legacy.profile.__exit__
+_start_kineto = _kineto_profile._start_trace
+_exit_kineto = _kineto_profile.__exit__
 
 
 def _start_trace_noting_config(self) -> None:
     # what the callees of this thread's calls record too: shapes, memory
     _local.config = (bool(self.record_shapes), bool(self.profile_memory))
     _start_trace(self)
+    _own(self)  # once started: a profile that fails to start takes nothing over
+
+
+def _exit_disowning(self, *exc):
+    try:
+        return _exit(self, *exc)
+    finally:
+        _disown(self)
+
+
+def _start_kineto_owning(self) -> None:
+    _start_kineto(self)
+    _own(self)
+
+
+def _exit_kineto_disowning(self, *exc):
+    try:
+        return _exit_kineto(self, *exc)
+    finally:
+        _disown(self)
 
 
 def install() -> None:
-    """Let legacy profiles take the events of calls (once per process, when RPC
-    starts): wrap how a legacy profile starts (to note its settings) and parses."""
+    """Let profiles take the events of calls (once per process, when RPC starts):
+    wrap how a legacy profile and a torch.profiler one start (to give the profile a
+    list of its own, and note a legacy one's settings), stop and parse."""
     global _installed
     with _install_lock:
         if not _installed:
             _legacy._parse_legacy_records = _parse_with_remote
             _kineto_profile._parse_kineto_results = _parse_kineto_with_remote
             _legacy.profile._start_trace = _start_trace_noting_config
+            _legacy.profile.__exit__ = _exit_disowning
+            _kineto_profile._start_trace = _start_kineto_owning
+            _kineto_profile.__exit__ = _exit_kineto_disowning
             _installed = True
