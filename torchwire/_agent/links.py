@@ -431,6 +431,8 @@ class Links:
     def on_close(self, conn, exc) -> None:
         """Reader thread, once per connection: fail what depended on it."""
         agent = self._agent
+        # before it leaves the tables, so that stats() counts it once (metrics.py)
+        agent.pending.metrics.link_closed(conn, lane=conn in self.lanes_out)
         agent.server.inline.forget(conn)
         with self._lock:
             self.incoming.discard(conn)

@@ -14,6 +14,7 @@ def stats(agent) -> dict:
     """``rpc.stats()``: this worker's totals, and per peer (by name) calls each way,
     bytes each way, latency percentiles of the replies, errors by kind and timeouts."""
     conns = agent.links.all()
+    io = agent.pending.metrics.bytes_by_peer(conns)  # closed connections' included
     c = agent.counters
     return {
         "name": agent.name,
@@ -24,34 +25,30 @@ def stats(agent) -> dict:
         # replies an I/O thread wrote itself, without a pool hop (serving.py)
         "replies_in_place": c.replies_in_place,
         "connections": len(conns),
-        "bytes_out": sum(x.bytes_out for x in conns),
-        "bytes_in": sum(x.bytes_in for x in conns),
+        "bytes_out": sum(b[0] for b in io.values()),
+        "bytes_in": sum(b[1] for b in io.values()),
         "transports": sorted({x.transport for x in conns}),
         "channels": sorted({"shm" if x.channels.sends("shm") else "cma"
                             if x.channels.sends("cma") else "socket" for x in conns}),
         "shm": segments.stats(),
-        "peers": peers(agent, conns),
+        "peers": peers(agent, io),
         "metrics_url": agent.metrics_endpoint.url if agent.metrics_endpoint else None,
     }
 
 
-def peers(agent, conns=None) -> dict[str, dict]:
+def peers(agent, io: dict[int, list[int]] | None = None) -> dict[str, dict]:
     """Per peer, by name: ``calls_sent``, ``calls_received``, ``bytes_out``,
-    ``bytes_in``, ``replies``, ``latency_p50_s``, ``latency_p99_s``,
-    ``latency_mean_s`` (None before the first reply), ``errors`` (by exception type
-    name) and ``timeouts``.  Only peers something went to or came from."""
-    if conns is None:
-        conns = agent.links.all()
+    ``bytes_in`` (connections that closed included), ``replies``, ``latency_p50_s``,
+    ``latency_p99_s``, ``latency_mean_s`` (None before the first reply), ``errors``
+    (by exception type name) and ``timeouts``.  Only peers something went to or came
+    from."""
+    if io is None:  # {rank: [bytes_out, bytes_in]}
+        io = agent.pending.metrics.bytes_by_peer(agent.links.all())
     c = agent.counters
     with c.lock:
         sent = dict(enumerate(c.sent_to)) if isinstance(c.sent_to, list) else dict(c.sent_to)
         received = dict(enumerate(c.recv_from)) if isinstance(c.recv_from, list) \
             else dict(c.recv_from)
-    io: dict[int, list[int]] = {}
-    for conn in conns:
-        b = io.setdefault(conn.peer_rank, [0, 0])
-        b[0] += conn.bytes_out
-        b[1] += conn.bytes_in
     calls = agent.pending.metrics.snapshot()
     out = {}
     for rank in sorted(set(sent) | set(received) | set(io) | set(calls)):
