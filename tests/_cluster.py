@@ -156,6 +156,28 @@ def run_world(fn, world_size: int = 2, *, timeout: float = 60, init: bool = True
     return results
 
 
+
+def start_child(fn, rank, world_size, init_method: str):
+    """One forked process running ``fn(rank, world_size, init_method)`` (it makes its
+    own ``init_rpc``); :func:`child_result` collects what it returns."""
+    parent, child = _ctx.Pipe(duplex=False)
+    p = _ctx.Process(target=_world_child,
+                     args=(child, fn, rank, world_size, init_method, False, {}))
+    p.start()
+    child.close()
+    return p, parent
+
+
+def child_result(proc, timeout: float = 60):
+    """What the process of :func:`start_child` returned (``timeout``: seconds to wait)."""
+    p, conn = proc
+    if not conn.poll(timeout):
+        raise AssertionError(f"pid {p.pid}: no answer within {timeout}s")
+    status, value = conn.recv()
+    assert status == "ok", value
+    return value
+
+
 # --------------------------------------------------------------------- shared job
 
 

@@ -70,6 +70,17 @@ def _start_in_thread(fn, *args) -> list:
     return out
 
 
+def _take_part(rank, waiting, fn, *args) -> tuple:
+    """``_run_bounded(fn, *args)`` on this worker; the leader (rank 0) sets ``waiting``
+    once it holds two objects (its wait for the third has begun)."""
+    result = _start_in_thread(fn, *args)
+    if rank == 0:
+        wait_until(lambda: _gathered() == 2 or bool(result), 30)
+        waiting.set()
+    assert wait_until(lambda: bool(result), _HANG + 10)
+    return result[0]
+
+
 def _kill(procs, rank, killed_at) -> None:
     killed_at.value = time.monotonic()
     os.kill(procs[rank][0].pid, signal.SIGKILL)
@@ -106,17 +117,13 @@ def test_a_participant_lost_before_it_takes_part_ends_all_gather_naming_it(when)
             return None
         if when == "before_it_ever_talked":
             assert killed.wait(30)
-        result = _start_in_thread(rpc.api._all_gather, rank)
-        if rank == 0:
-            wait_until(lambda: _gathered() == 2 or bool(result), 30)
-            waiting.set()
-        assert wait_until(lambda: bool(result), _HANG + 10)
-        if result[0][0] == "hung":
-            return result[0], None  # no shutdown: it would wait for the hung gather
+        result = _take_part(rank, waiting, rpc.api._all_gather, rank)
+        if result[0] == "hung":
+            return result, None  # no shutdown: it would wait for the hung gather
         # the survivors' next round, without the lost worker, completes
         again = rpc.api._all_gather(rank * 10, {"worker0", "worker1"})
         rpc.shutdown()
-        return result[0], again
+        return result, again
 
     procs = _start(body, 3)
     try:
@@ -156,14 +163,10 @@ def test_a_barrier_with_a_lost_participant_returns_and_logs_the_worker():
             threading.Event().wait(60)  # killed
             return None
         names = ["worker0", "worker1", "worker2"]
-        result = _start_in_thread(rpc.api._barrier, names)
-        if rank == 0:
-            wait_until(lambda: _gathered() == 2 or bool(result), 30)
-            waiting.set()
-        assert wait_until(lambda: bool(result), _HANG + 10)
-        if result[0][0] != "hung":
+        result = _take_part(rank, waiting, rpc.api._barrier, names)
+        if result[0] != "hung":
             rpc.shutdown()
-        return result[0], logged
+        return result, logged
 
     procs = _start(body, 3)
     try:
@@ -227,14 +230,11 @@ def test_a_participant_that_leaves_a_dynamic_group_ends_all_gather_naming_it():
             left_at.value = time.monotonic()
             rpc.shutdown()
             return None
-        result = _start_in_thread(rpc.api._all_gather, rank, {"worker0", "worker1", "worker2"})
-        if rank == 0:
-            wait_until(lambda: _gathered() == 2 or bool(result), 30)
-            waiting.set()
-        assert wait_until(lambda: bool(result), _HANG + 10)
-        if result[0][0] != "hung":
+        result = _take_part(rank, waiting, rpc.api._all_gather, rank,
+                            {"worker0", "worker1", "worker2"})
+        if result[0] != "hung":
             rpc.shutdown()
-        return result[0]
+        return result
 
     procs = _start(body, 3)
     try:
@@ -267,15 +267,11 @@ def test_a_slow_participant_that_arrives_after_the_rpc_timeout_still_completes(c
             fn, args = rpc.api._all_gather, (rank,)
         else:
             fn, args = rpc.api._wait_all_workers, ()
-        result = _start_in_thread(fn, *args)
         t0 = time.monotonic()
-        if rank == 0:
-            wait_until(lambda: _gathered() == 2 or bool(result), 30)
-            waiting.set()
-        assert wait_until(lambda: bool(result), _HANG + 10)
-        if result[0][0] != "hung":
+        result = _take_part(rank, waiting, fn, *args)
+        if result[0] != "hung":
             rpc.shutdown()
-        return result[0], t0
+        return result, t0
 
     procs = _start(body, 3)
     try:

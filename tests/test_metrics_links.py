@@ -27,7 +27,8 @@ import torch
 
 import torchwire
 import torchwire.rpc as rpc
-from _cluster import _kill, _world_child, new_init_method, options, wait_until
+from _cluster import (_kill, child_result, new_init_method, options, start_child,
+                      wait_until)
 from torchwire._agent.metrics import CallMetrics
 
 _ctx = mp.get_context("fork")
@@ -97,21 +98,11 @@ def _free_port() -> int:
 
 def _fork(fn, *args):
     """A process running ``fn(*args)`` (no ``init_rpc`` of its own: ``fn`` makes it)."""
-    parent, child = _ctx.Pipe(duplex=False)
-    p = _ctx.Process(target=_world_child,
-                     args=(child, lambda *_: fn(*args), 0, None, "", False, {}))
-    p.start()
-    child.close()
-    return p, parent
+    return start_child(lambda *_: fn(*args), 0, None, "")
 
 
 def _result(proc, timeout=90):
-    p, conn = proc
-    if not conn.poll(timeout):
-        raise AssertionError(f"pid {p.pid}: no answer within {timeout}s")
-    status, value = conn.recv()
-    assert status == "ok", value
-    return value
+    return child_result(proc, timeout)
 
 
 _COUNTER = re.compile(r"^(torchwire_\w+_total)(\{[^}]*\})? ([0-9.e+]+)$", re.M)

@@ -22,7 +22,7 @@ import torchwire
 import torchwire.autograd as dist_autograd
 from torchwire.optim import DistributedOptimizer
 import torchwire.rpc as rpc
-from _cluster import _world_child, new_init_method, options, wait_until
+from _cluster import child_result, new_init_method, options, start_child, wait_until
 from test_failures import _reap
 
 _ctx = mp.get_context("fork")
@@ -62,23 +62,6 @@ def scaled(param_rref, x):
 
 def read(param_rref):
     return param_rref.local_value().detach().clone()
-
-
-def _fork(fn, *args):
-    parent, child = _ctx.Pipe(duplex=False)
-    p = _ctx.Process(target=_world_child, args=(child, fn, *args, False, {}))
-    p.start()
-    child.close()
-    return p, parent
-
-
-def _result(proc, timeout=60):
-    p, conn = proc
-    if not conn.poll(timeout):
-        raise AssertionError(f"pid {p.pid}: no answer within {timeout}s")
-    status, value = conn.recv()
-    assert status == "ok", value
-    return value
 
 
 def _free_port() -> int:
@@ -219,18 +202,18 @@ def test_static_group_takes_a_killed_worker_back_and_refuses_a_live_ranks_claim(
             _init("someone", 0, 3, init_method, init_timeout=10)
         return str(live.value), str(renamed.value)
 
-    procs = [_fork(body, r, 3, init_method) for r in range(3)]
+    procs = [start_child(body, r, 3, init_method) for r in range(3)]
     try:
         ready.wait(60)
         assert victim_ready.wait(60)
         os.kill(procs[2][0].pid, signal.SIGKILL)
         procs[2][0].join(5)
         killed.set()
-        procs.append(_fork(reborn, 2, 3, init_method))
-        live, renamed = _result(_fork(impostor, 1, 3, init_method))
-        new0, forks = _result(procs[0])
-        new1 = _result(procs[1])
-        assert _result(procs[3]) == new0 == new1
+        procs.append(start_child(reborn, 2, 3, init_method))
+        live, renamed = child_result(start_child(impostor, 1, 3, init_method))
+        new0, forks = child_result(procs[0])
+        new1 = child_result(procs[1])
+        assert child_result(procs[3]) == new0 == new1
     finally:
         _reap(procs)
     assert new0 != old_pid.value and forks == 0
@@ -272,17 +255,17 @@ def test_dynamic_group_takes_a_killed_member_back_under_its_name():
         rpc.shutdown()
         return names
 
-    procs = [_fork(body, r, None, init_method) for r in range(3)]
+    procs = [start_child(body, r, None, init_method) for r in range(3)]
     try:
         joined.wait(60)
         ready.wait(60)
         os.kill(procs[2][0].pid, signal.SIGKILL)
         procs[2][0].join(5)
         killed.set()
-        procs.append(_fork(reborn, 2, None, init_method))
-        new0 = _result(procs[0])
-        assert _result(procs[1]) == new0 != old_pid.value
-        assert _result(procs[3]) == ["worker0", "worker1", "worker2"]
+        procs.append(start_child(reborn, 2, None, init_method))
+        new0 = child_result(procs[0])
+        assert child_result(procs[1]) == new0 != old_pid.value
+        assert child_result(procs[3]) == ["worker0", "worker1", "worker2"]
     finally:
         _reap(procs)
 
@@ -303,11 +286,11 @@ def test_a_restarted_rank_0_that_hosted_the_store_fails_with_a_clear_error():
             _init("worker0", 0, 2, init_method, init_timeout=2)
         return str(info.value)
 
-    procs = [_fork(body, r, 2, init_method) for r in range(2)]
+    procs = [start_child(body, r, 2, init_method) for r in range(2)]
     try:
-        assert _result(procs[0]) == "died"
-        assert _result(procs[1]) == "up"
-        message = _result(_fork(reborn, 0, 2, init_method))
+        assert child_result(procs[0]) == "died"
+        assert child_result(procs[1]) == "up"
+        message = child_result(start_child(reborn, 0, 2, init_method))
     finally:
         _reap(procs)
     assert "rendezvous store lived in its process and died with it" in message
