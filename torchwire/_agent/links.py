@@ -363,7 +363,7 @@ class Links:
             threshold=self._threshold)
         return Connection(sock, rank, agent.server.on_frames, self.on_close, channels=channels,
                           defer=agent.pool.submit, max_message_size=agent.max_message_size,
-                          initiated=initiated, transport=transport)
+                          initiated=initiated, transport=transport, lane=lane)
 
     def _open_lane(self, rank: int) -> Connection:
         """A second TCP connection to ``rank`` for the second half of large buffers."""
@@ -380,7 +380,9 @@ class Links:
         with self._lock:
             if agent.state is AgentState.CLOSED:
                 conn.close()
-            self.lanes_out.append(conn)
+            # under the lock on_close takes: a lane that already ended is not listed
+            if not conn.closed:
+                self.lanes_out.append(conn)
         return conn
 
     # ------------------------------------------------------------------ incoming
@@ -432,7 +434,7 @@ class Links:
         """Reader thread, once per connection: fail what depended on it."""
         agent = self._agent
         # before it leaves the tables, so that stats() counts it once (metrics.py)
-        agent.pending.metrics.link_closed(conn, lane=conn in self.lanes_out)
+        agent.pending.metrics.link_closed(conn, lane=conn.lane)
         agent.server.inline.forget(conn)
         with self._lock:
             self.incoming.discard(conn)

@@ -172,7 +172,7 @@ class CallMetrics:
         dip as a counter reset), and :meth:`bytes_by_peer` counts it once.
 
         Args:
-            lane: ``conn`` is a lane this worker opened: its bytes stay out of the
+            lane: ``conn`` is a lane (either side's): its bytes stay out of the
                 totals, as they do while it lives (each half it carried belongs to a
                 frame its main connection counted whole).
         """
@@ -199,7 +199,7 @@ class CallMetrics:
                   if m.bytes_out or m.bytes_in}
             folded = self._folded
             for conn in conns:
-                if conn in folded:
+                if conn in folded or conn.lane:
                     continue
                 b = io.setdefault(conn.peer_rank, [0, 0])
                 b[0] += conn.bytes_out

@@ -50,13 +50,18 @@ class Connection:
         max_message_size: frames larger than this are a protocol error.
         initiated: this side opened the connection.
         transport: ``"unix"`` or ``"tcp"``.
+        lane: this side opened it as a lane, for the second halves of large buffers
+            (the other side learns it from the first DATA frame: ``lane`` turns True).
     """
 
     def __init__(self, sock: socket.socket, peer_rank: int, on_frames, on_close, *,
                  channels: ChannelSet | None = None, defer=None,
                  max_message_size: int = F.DEFAULT_MAX_MESSAGE_SIZE, initiated: bool,
-                 transport: str) -> None:
+                 transport: str, lane: bool = False) -> None:
         self.sock = sock
+        # A lane's halves belong to frames the main connection counts whole: metrics
+        # leave its bytes out.
+        self.lane = lane
         self.peer_rank = peer_rank
         self.initiated = initiated
         self.transport = transport

@@ -209,6 +209,7 @@ def _read(conn):  # noqa: C901 - the hot loop, kept in one piece
             read_faulting(read_exact_into, payload, fresh)
         if kind == k_data:  # on a lane: the second part of a split buffer
             channels.read_data(conn, rx, rid, lens, payload)
+            conn.lane = True
             conn.bytes_in += header_size + 8 + plen + lens[0]
             continue
         by_channel = False
