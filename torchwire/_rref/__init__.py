@@ -29,7 +29,8 @@ Out-of-order arrival: a fork or fetch may reach the owner before the
 ``remote_exec`` that creates the value (a pool runs them concurrently); the owner
 then creates the entry empty and the value fills it later.  A deletion that
 arrives for a fork never registered leaves a tombstone, so the late registration
-is dropped.
+is dropped; so does the deletion of a fork whose FORK went more than once (retried,
+or given up on), whatever it finds.
 
 Modules: ``records`` (ids, entries, fork state, event kinds), ``handlers`` (what
 runs on the owner), ``rref`` (the ``RRef`` class and its proxies), ``janitor``,

@@ -142,12 +142,17 @@ class RRefContext:
         here or found there."""
         return holder != self.rank and self.agent.health.is_down(holder)
 
-    def del_fork(self, rref_id: Id, fork_id: Id) -> None:
+    def del_fork(self, rref_id: Id, fork_id: Id, tombstone: bool = False) -> None:
+        """The holder's fork is gone.  A tombstone refuses the fork's FORK copies that
+        come later: always left when ``tombstone`` (its FORK went more than once),
+        else only when the fork is not registered (its deletion overtook it)."""
         with self._lock:
             entry = self._owned.get(rref_id)
-            if entry is None or entry.forks.pop(fork_id, None) is None:
+            found = entry is not None and entry.forks.pop(fork_id, None) is not None
+            if tombstone or not found:
                 self._dead_forks[fork_id] = None
                 self._trim()
+            if not found:
                 return
             if not entry.forks:
                 self._owned.pop(rref_id, None)

@@ -196,8 +196,8 @@ def rref_control(sender: int, ops) -> list:
                 refused.append(fork_id)
                 continue
             ctx.add_fork(entry, fork_id, sender)
-        elif op == ControlOp.DEL:
-            ctx.del_fork(rref_id, fork_id)
+        elif op == ControlOp.DEL or op == ControlOp.FORGET:
+            ctx.del_fork(rref_id, fork_id, tombstone=op == ControlOp.FORGET)
         elif op == ControlOp.ACCEPT:
             ctx.drop_child(fork_id)
         else:

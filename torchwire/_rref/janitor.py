@@ -14,11 +14,12 @@ Messages (:class:`~.records.ControlOp`, applied by ``handlers.rref_control``):
   timed out, or the message could not be sent or failed) is unusable: its RRef and
   the request gated on it fail with an error naming the owner and the cause
   (``RRefContext.fork_failed``).  Its parent is released (an ACCEPT), and it is
-  undone at the owner (a DEL; best effort: after timeouts the owner may have
-  registered it, or still do so: a DEL that comes first leaves a tombstone that every
-  later copy of the FORK meets, but a copy run after a DEL that found the fork
-  registered registers it again).
+  undone at the owner (a FORGET).
 * DEL and ACCEPT, as one-way requests: a lost one can only mean a lost peer.
+* FORGET, one-way, instead of DEL for a fork whose FORK went more than once (retried,
+  or given up on): copies of it may still be in flight, or run on the owner's pool
+  after the deletion.  The owner keeps a tombstone of the fork either way, and every
+  later copy meets it (a DEL leaves one only when it finds the fork unregistered).
 
 Deletion and confirmation race (the creation reply of ``remote()`` arrives on a
 reader while the RRef may die anywhere): DELETED sets ``deleted`` and then reads
@@ -133,8 +134,9 @@ class Janitor:
                     ctx.forget_user(state)
                 if state.deleted and state.confirmed and not state.gone:
                     state.gone = True
+                    op = ControlOp.FORGET if state.retried else ControlOp.DEL
                     out.setdefault(state.owner, []).append(
-                        (ControlOp.DEL, state.rref_id, state.fork_id, None))
+                        (op, state.rref_id, state.fork_id, None))
             elif kind is Event.LOST:
                 state = ev[1]
                 state.gone = True
@@ -145,7 +147,7 @@ class Janitor:
                 if not state.gone:
                     state.gone = True
                     out.setdefault(state.owner, []).append(
-                        (ControlOp.DEL, state.rref_id, state.fork_id, None))
+                        (ControlOp.FORGET, state.rref_id, state.fork_id, None))
                 if parent == ctx.rank:
                     ctx.drop_child(state.fork_id)
                 else:
@@ -194,6 +196,8 @@ class Janitor:
         try:
             fut.wait()
         except RpcTimeoutError as exc:
+            for _op, _rid, _fid, (state, _parent) in ops:
+                state.retried = True  # this copy may still run on the owner, late
             if attempt < _CONTROL_RETRIES and not self._closed:
                 self.put((Event.RETRY, dest, ops, attempt + 1))
             else:

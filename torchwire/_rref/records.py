@@ -83,7 +83,8 @@ class UserState:
     """Mutable protocol state of one user fork; changed only by the janitor thread
     (``confirmed`` is also set by the creation callback, before it queues an event)."""
 
-    __slots__ = ("owner", "rref_id", "fork_id", "confirmed", "deleted", "gone", "gate", "lost")
+    __slots__ = ("owner", "rref_id", "fork_id", "confirmed", "deleted", "gone", "gate", "lost",
+                 "retried")
 
     def __init__(self, owner: int, rref_id: Id, fork_id: Id, confirmed: bool) -> None:
         self.gate = None  # future a request waits on before its function runs
@@ -93,6 +94,8 @@ class UserState:
         self.confirmed = confirmed
         self.deleted = False  # the RRef object died or shutdown deleted it
         self.gone = False  # nothing more to tell the owner (deletion sent, or owner lost)
+        # its FORK was sent more than once: copies may reach the owner after its deletion
+        self.retried = False
         # (error, incarnation) once its owner was lost: every use raises (owner_lost)
         self.lost: tuple[BaseException, int | None] | None = None
 
@@ -140,7 +143,7 @@ class Event(enum.Enum):
     ACCEPT = "accept"  # (parent rank, fork id): tell the parent the owner knows the child
     RETRY = "retry"  # (dest, ops, attempt): send timed-out fork messages again
     # (state, parent rank): the owner will never confirm the fork: undo it there (a
-    # DEL; a registration arriving later meets its tombstone) and release the parent
+    # FORGET: a registration arriving later meets its tombstone) and release the parent
     ABANDONED = "abandoned"
     STOP = "stop"  # (): the context is closed
 
@@ -151,3 +154,6 @@ class ControlOp(enum.IntEnum):
     FORK = 1  # to the owner: register fork (rref id, fork id) held by the sender
     DEL = 2  # to the owner: the sender's fork (rref id, fork id) is gone
     ACCEPT = 3  # to the parent: the owner knows the child fork (fork id)
+    # to the owner: as DEL, for a fork whose FORK was sent more than once (retried
+    # after timeouts, or given up on): copies that arrive later must be refused
+    FORGET = 4
