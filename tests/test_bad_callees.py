@@ -80,8 +80,8 @@ def _cases(rank, world_size):
     seen["exit_async"] = (type(exc).__name__, str(exc))
     seen["after_async"] = rpc.rpc_sync("worker1", add_async, args=(2, 3), timeout=0)
     exc = _call_error(raises_bad_str)
-    # rebuilt as a BadStr, whose __str__ still fails here: its message is its argument
-    seen["bad_str"] = (type(exc).__name__, exc.args[0])
+    # rebuilt as a BadStr (a subclass whose message reads: its own __str__ fails)
+    seen["bad_str"] = (type(exc).__name__, str(exc), isinstance(exc, BadStr))
     exc = _call_error(returns_unpicklable)
     seen["exit_pickling"] = (type(exc).__name__, str(exc))
     exc = _call_error(returns_broken)
@@ -98,8 +98,8 @@ def test_failures_past_except_exception_reach_the_caller_and_the_callee_serves_o
     kind, text = seen["exit_async"]
     assert kind != "SystemExit" and "SystemExit" in text and "4" in text, seen["exit_async"]
     assert seen["after_async"] == 5  # the callee's event loop survived
-    kind, text = seen["bad_str"]
-    assert kind == "BadStr" and "str() raised RuntimeError" in text, seen["bad_str"]
+    kind, text, caught = seen["bad_str"]
+    assert kind == "BadStr" and caught and "str() raised RuntimeError" in text, seen["bad_str"]
     kind, text = seen["exit_pickling"]
     assert kind != "SystemExit" and "SystemExit" in text, seen["exit_pickling"]
     kind, text = seen["broken_pickle"]

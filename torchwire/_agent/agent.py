@@ -191,6 +191,10 @@ class RpcAgent:
             member = self.names.by_rank.get(to)
             if member is not None:
                 return member.info
+        elif t is WorkerInfo:  # most often one this table gave out
+            member = self.names.by_rank.get(to.id)
+            if member is not None and member.info is to:
+                return to
         return self.info if to is None else self.names.lookup(to)
 
     def get_worker_infos(self) -> list[WorkerInfo]:

@@ -10,6 +10,8 @@ from __future__ import annotations
 import threading
 from typing import TYPE_CHECKING, Any, Callable
 
+import torch
+
 from .._base.options import resolve_timeout
 from .._base.worker_info import WorkerInfo
 from .runtime import require_agent
@@ -31,21 +33,40 @@ def check_call(to: Any, func: Callable[..., Any], args: Any, kwargs: Any, timeou
 
     Raises:
         RpcStateError: RPC is not initialized.
-        TypeError: ``func`` is not callable, ``kwargs`` not a dict, a bad timeout type.
-        ValueError: a negative timeout.
+        TypeError: ``func`` is not callable, ``args`` a tensor or not iterable,
+            ``kwargs`` not a dict, a bad timeout type.
+        ValueError: ``to`` is None, a negative or NaN timeout.
         UnknownWorkerError: ``to`` names no worker of the job.
     """
     agent = require_agent()
     if not callable(func):
         raise TypeError(f"func must be callable, got {type(func).__name__}")
     if args is not None and not isinstance(args, tuple):
-        args = tuple(args)
+        args = _as_tuple(args)
     if kwargs is not None and not isinstance(kwargs, dict):
         raise TypeError(f"kwargs must be a dict, got {type(kwargs).__name__}")
-    world = agent.world_size  # None: a dynamic group, whose members change
-    info = to if isinstance(to, WorkerInfo) and world is not None and 0 <= to.id < world else \
-        agent.get_worker_info(to)
+    if to is None:  # an unset variable, most likely: not this worker
+        raise ValueError("Cannot get WorkerInfo from name None: pass a worker name, rank or "
+                         "WorkerInfo")
+    info = agent.get_worker_info(to)
     return agent, info, args, kwargs, resolve_timeout(timeout, agent.rpc_timeout)
+
+
+def _as_tuple(args: Any) -> tuple[Any, ...]:
+    """``args`` given as a list or another iterable, as a tuple.
+
+    Raises:
+        TypeError: a tensor (``args=(t)`` for ``args=(t,)``: its rows would become the
+            arguments), or not iterable.
+    """
+    if isinstance(args, torch.Tensor):
+        raise TypeError("args must be a tuple of arguments, got a Tensor (for one tensor "
+                        "argument write args=(t,))")
+    try:
+        return tuple(args)
+    except TypeError:
+        raise TypeError(f"args must be a tuple of arguments, got {type(args).__name__}"
+                        ) from None
 
 
 def invoke_async(to: Any, func: Callable[..., Any], args: Any, kwargs: Any,

@@ -83,6 +83,9 @@ class NameTable:
             if m is None:
                 raise self._not_member(f"rank {to}", self._departed.get(to))
             return m.info
+        name, rank = getattr(to, "name", None), getattr(to, "id", None)
+        if isinstance(name, str) and isinstance(rank, int):  # torch's own WorkerInfo
+            return self.lookup(WorkerInfo(name, rank))
         raise ValueError(f"Cannot get WorkerInfo from {to!r}: pass a worker name, rank or "
                          "WorkerInfo")
 

@@ -97,10 +97,14 @@ class PendingCalls:
         call.timeout, call.func, call.pin, call.t0 = timeout, func, pin, _perf()
         call.probe = probe
         self._table[rid] = call
-        if deadline is not None:
-            call.tick = self._timer.add(rid, deadline)
-        elif timeout > 0:
-            call.tick = self._timer.add(rid, time.monotonic() + timeout)
+        try:
+            if deadline is not None:
+                call.tick = self._timer.add(rid, deadline)
+            elif timeout > 0:
+                call.tick = self._timer.add(rid, time.monotonic() + timeout)
+        except BaseException:  # no call may stay pending without its deadline
+            del self._table[rid]
+            raise
         return rid
 
     def fail(self, rid: int, exc: BaseException) -> None:

@@ -342,6 +342,29 @@ def _check_roots(roots) -> list[torch.Tensor]:
     return list(roots)
 
 
+_SECOND_TIME = (
+    "Trying to backward through the graph a second time (or directly access saved tensors "
+    "after they have already been freed). Saved intermediate values of the graph are freed "
+    "when you call .backward() or autograd.grad(). Specify retain_graph=True if you need to "
+    "backward through the graph a second time or if you need to access saved tensors after "
+    "calling backward.")
+
+
+def _spend(ctx: DistAutogradContext, roots: list, record: bool) -> None:
+    """A pass from ``roots`` without ``retain_graph`` keeps their graph only for this
+    worker's send entries: a later pass from the same roots raises torch's error, as
+    it would had the graph been freed, instead of adding the gradients again.
+    ``record``: this pass is one of those."""
+    with ctx.lock:
+        spent = ctx.spent
+        if spent is not None and any(r.grad_fn in spent for r in roots):
+            raise DistAutogradError(f"Error on Node {container().rank}: {_SECOND_TIME}")
+        if record:
+            if spent is None:
+                spent = ctx.spent = set()
+            spent.update(r.grad_fn for r in roots)
+
+
 def backward(context_id: int, roots, retain_graph: bool = False) -> None:
     """Run the distributed backward pass from ``roots`` in context ``context_id``.
 
@@ -384,6 +407,8 @@ def backward(context_id: int, roots, retain_graph: bool = False) -> None:
         raise type(ctx.failed)(str(ctx.failed), worker_name=ctx.failed.worker_name,
                                reason=ctx.failed.reason)
     retain = bool(retain_graph) or bool(ctx.sends)
+    if ctx.spent is not None or (retain and not retain_graph):
+        _spend(ctx, roots, record=not retain_graph)
     key = (c.rank, next(c.pass_ids))
     rec = c.passes[key] = _Pass(c.rank)
     try:

@@ -52,7 +52,7 @@ class DistAutogradContext:
     """One worker's record of a distributed autograd context."""
 
     __slots__ = ("id", "lock", "sends", "grads", "known", "recvs", "forwarded", "ddp",
-                 "failed",
+                 "failed", "spent",
                  "__weakref__")
 
     def __init__(self, context_id: int) -> None:
@@ -72,6 +72,9 @@ class DistAutogradContext:
         # a worker it reached was lost (WorkerUnavailableError): a backward pass in
         # it raises that at once (the worker's part of the graph is gone)
         self.failed: BaseException | None = None
+        # grad_fn of roots whose pass ran without retain_graph while send entries kept
+        # the graph anyway (backward.py): another pass from them is torch's error
+        self.spent: set | None = None
 
     # torch's DistAutogradContext methods
     def _context_id(self) -> int:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 from . import devices as _devices
 
 DEFAULT_RPC_TIMEOUT_SEC = 60.0
@@ -187,17 +189,17 @@ def channel_allowed(options, name: str) -> bool:
 
 def resolve_timeout(timeout, default: float) -> float:
     """A call's timeout in seconds: ``default`` (the agent's ``rpc_timeout``) for -1 or
-    None, 0 for no limit.
+    None, 0 (no limit) for 0 or infinity.
 
     Raises:
         TypeError: not a number.
-        ValueError: negative (other than -1).
+        ValueError: negative (other than -1), or NaN.
     """
     if timeout is None or timeout == UNSET_RPC_TIMEOUT:
         return default
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
         raise TypeError(f"timeout must be a number of seconds, got {type(timeout).__name__}")
-    if timeout < 0:
+    if not timeout >= 0:  # NaN included
         raise ValueError(f"timeout must be >= 0 seconds (0 = no limit) or -1 for the default, "
                          f"got {timeout}")
-    return float(timeout)
+    return float(timeout) if timeout != math.inf else 0.0

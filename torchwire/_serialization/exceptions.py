@@ -57,6 +57,8 @@ def loads_exception(payload) -> BaseException:
             exc_obj = cls(message)
         except Exception:
             exc_obj = None
+        if exc_obj is not None and not _readable(exc_obj):
+            exc_obj = _with_plain_str(cls, message)
     if exc_obj is None:
         exc_obj = RemoteError(f"Original exception on remote side was {module}.{qualname} "
                               f"(it could not be rebuilt here): {message}",
@@ -69,3 +71,25 @@ def loads_exception(payload) -> BaseException:
         except Exception:
             pass
     return exc_obj
+
+
+def _readable(exc: BaseException) -> bool:
+    try:
+        str(exc)
+        return True
+    except Exception:
+        return False
+
+
+def _with_plain_str(cls: type, message: str) -> BaseException | None:
+    """``cls(message)`` whose ``str()`` is ``message``, for a class whose ``__str__``
+    fails (every handler that logs it would fail in turn): a subclass of the same name,
+    so ``except cls`` still catches it.  None if even that cannot be made."""
+    try:
+        plain = type(cls.__name__, (cls,), {"__str__": BaseException.__str__,
+                                            "__module__": cls.__module__,
+                                            "__qualname__": cls.__qualname__})
+        exc = plain(message)
+        return exc if _readable(exc) else None
+    except Exception:
+        return None

@@ -333,6 +333,11 @@ class _ClosurePickler(cloudpickle.Pickler):
         t = type(obj)
         how = _dispatch[t] if t in _dispatch else _resolve(t)
         if how is None or how is _CODE:
+            if isinstance(obj, io.IOBase):
+                # cloudpickle would send a text file's contents, read from the start,
+                # as a StringIO: not what the caller holds (pickle refuses files)
+                raise TypeError(f"cannot pickle {t.__qualname__!r} object: an open file "
+                                "does not travel (send its name or its contents)")
             return super().reducer_override(obj)
         return self._reduce_special(how, obj)
 

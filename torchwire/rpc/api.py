@@ -258,7 +258,8 @@ def rpc_async(to: str | int | WorkerInfo, func: Callable[..., Any], args: Any = 
         func: a picklable callable: Python function, builtin, torch op, or
             ``@torch.jit.script`` function.
         args, kwargs: its arguments.
-        timeout: seconds; -1 uses the default ``rpc_timeout``, 0 means no limit.
+        timeout: seconds; -1 uses the default ``rpc_timeout``, 0 (or ``math.inf``)
+            means no limit.
 
     Returns:
         A :class:`torch.futures.Future` that completes with the return value,
