@@ -137,20 +137,73 @@ _WORKER = textwrap.dedent("""
 """)
 
 
-@pytest.mark.timeout(90)
-def test_a_class_and_function_of_an_interactive_main_travel_by_value(tmp_path):
-    # `python -c`, as a notebook or REPL: nothing of its __main__ can be imported elsewhere
-    init = new_init_method()
+def _run_processes(argvs, cwd) -> list[str]:
+    """Run ``python <argv>`` for each of ``argvs`` at once; their outputs, once all
+    ended with status 0."""
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    procs = [subprocess.Popen([sys.executable, "-c", code, init], stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True, env=env, cwd=tmp_path)
-             for code in (_DRIVER, _WORKER)]
+    procs = [subprocess.Popen([sys.executable, *argv], stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True, env=env, cwd=cwd)
+             for argv in argvs]
     outs = []
     for p in procs:
         try:
             outs.append(p.communicate(timeout=60)[0])
         finally:
             p.kill()
-    assert procs[0].returncode == 0 and procs[1].returncode == 0, outs
+    assert all(p.returncode == 0 for p in procs), outs
+    return outs
+
+
+@pytest.mark.timeout(90)
+def test_a_class_and_function_of_an_interactive_main_travel_by_value(tmp_path):
+    # `python -c`, as a notebook or REPL: nothing of its __main__ can be imported elsewhere
+    init = new_init_method()
+    outs = _run_processes([["-c", code, init] for code in (_DRIVER, _WORKER)], tmp_path)
     assert "RESULT 25 2 4 True [2.0, 2.0]" in outs[0], outs
     assert "WORKER OK" in outs[1], outs
+
+
+_FILE_MAIN = textwrap.dedent("""
+    import sys
+    import torchwire.rpc as rpc
+
+    STORE = {}
+
+    class Point:
+        def __init__(self, x):
+            self.x = x
+
+    def put(key, value):
+        STORE[key] = value
+        return len(STORE)
+
+    def stored():
+        return dict(STORE)
+
+    def same_class(p):
+        return type(p) is Point
+
+    rank, init = int(sys.argv[1]), sys.argv[2]
+    rpc.init_rpc(f"worker{rank}", rank=rank, world_size=2, rpc_backend_options=
+                 rpc.TensorPipeRpcBackendOptions(init_method=init, rpc_timeout=30))
+    if rank == 0:
+        # a lambda sends the message by value; what it uses of this file does not go
+        # with it: the callee runs its own put() on its own STORE, and its own Point
+        rpc.rpc_sync("worker1", put, args=("a", 1))
+        rpc.rpc_sync("worker1", lambda: put("b", 2))
+        print("STORE", sorted(rpc.rpc_sync("worker1", stored).items()))
+        print("SAME", rpc.rpc_sync("worker1", lambda p: same_class(p), args=(Point(1),)))
+    rpc.shutdown()
+""")
+
+
+@pytest.mark.timeout(90)
+def test_a_lambda_beside_a_file_run_mains_functions_and_classes_leaves_them_by_reference(
+        tmp_path):
+    # as under torchrun: every worker runs the same file, its __main__
+    script = tmp_path / "job.py"
+    script.write_text(_FILE_MAIN)
+    init = new_init_method()
+    outs = _run_processes([[str(script), str(rank), init] for rank in (0, 1)], tmp_path)
+    assert "STORE [('a', 1), ('b', 2)]" in outs[0], outs
+    assert "SAME True" in outs[0], outs

@@ -116,10 +116,11 @@ def test_a_future_completing_while_a_callback_is_added_runs_it_once_without_dead
     from torchwire._agent.future import Future
 
     class CompletesRightAfterTheCheck(Future):
-        """Completes between ``done()`` saying no and the callback's registration."""
+        """Completes between the check that it is not done and the callback's
+        registration."""
 
-        def done(self):
-            was = super().done()
+        def _completed(self):
+            was = super()._completed()
             if not was:
                 self.set_result(7)
             return was

@@ -40,6 +40,7 @@ loop's eventfd is closed when the loop is collected.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextvars
 import os
 import threading
@@ -273,20 +274,32 @@ class AsyncioFuture:
 
     def __await__(self):
         """``await fut``: the value, or raise the error, without blocking the loop."""
-        if not self.done():
-            if self._tw_cancelled:
-                raise self._make_cancelled_error()
+        if self._tw_cancelled:
+            raise self._make_cancelled_error()
+        if not _c_done(self):
             loop = asyncio.get_running_loop()
             waiter = Waiter(loop, waker_of(loop))
-            self.__dict__.setdefault("_tw_awaited", []).append(waiter)
+            awaited = self._awaited()
+            awaited.append(waiter)
             # set_result and cancel wake the registered waiters after completing:
             # checked again here, one of the two sees the other
-            if not self.done():
+            if not _c_done(self) and not self._tw_cancelled:
                 waiter._asyncio_future_blocking = True
-                yield waiter  # the task resumes here once woken
+                try:
+                    yield waiter  # the task resumes here once woken
+                finally:
+                    if waiter._state != _DONE:  # its task was cancelled, or closed
+                        _discard(awaited, waiter)
             if self._tw_cancelled:
                 raise self._make_cancelled_error()
         return self.value()
+
+    def _awaited(self) -> collections.deque:
+        """The waiters and asyncio callbacks to wake once it ends (made on first use)."""
+        awaited = self._tw_awaited
+        if awaited is None:
+            awaited = self.__dict__.setdefault("_tw_awaited", collections.deque())
+        return awaited
 
 
     def set_result(self, result) -> None:
@@ -300,12 +313,12 @@ class AsyncioFuture:
     def _add_asyncio_callback(self, loop, fn, context) -> None:
         """``fn(self)`` on ``loop`` once done or cancelled (``loop`` is running)."""
         entry = _DoneCallback(waker_of(loop), loop, self, fn, context)
-        if self.done() or self._tw_cancelled:  # run it on the next loop turn, as asyncio
+        if _c_done(self) or self._tw_cancelled:  # run it on the next loop turn, as asyncio
             entry.waker.wake(entry)
             return
-        awaited = self.__dict__.setdefault("_tw_awaited", [])
+        awaited = self._awaited()
         awaited.append(entry)
-        if self.done():  # completed meanwhile: whoever removes the entry runs it
+        if _c_done(self) or self._tw_cancelled:  # ended meanwhile: who removes it runs it
             try:
                 awaited.remove(entry)
             except ValueError:
@@ -327,7 +340,7 @@ class AsyncioFuture:
         return removed
 
     def cancel(self, msg=None) -> bool:
-        if self.done() or self._tw_cancelled:
+        if _c_done(self) or self._tw_cancelled:
             return False
         self._tw_cancel_msg = msg
         self._tw_cancelled = True
@@ -345,13 +358,13 @@ class AsyncioFuture:
 
     def result(self):
         """asyncio's ``result()``: the value, or raise the error."""
-        if self._tw_cancelled or not self.done():
+        if self._tw_cancelled or not _c_done(self):
             self._not_ready()
         return self.value()
 
     def exception(self):
         """asyncio's ``exception()``: the error, or None."""
-        if self._tw_cancelled or not self.done():
+        if self._tw_cancelled or not _c_done(self):
             self._not_ready()
         try:
             self.value()
@@ -366,13 +379,22 @@ class AsyncioFuture:
 
 
 _c_set_result = torch._C.Future.set_result
+_c_done = torch._C.Future.done  # the torch side: set_result or set_exception happened
 
 
-def _wake_all(awaited: list) -> None:
-    """Hand each waiter and callback of a future that just ended to its loop."""
+def _wake_all(awaited: collections.deque) -> None:
+    """Hand each waiter and callback of a future that just ended to its loop, in the
+    order they came (each taken once: another thread may take some)."""
     while awaited:
         try:
-            entry = awaited.pop(0)
+            entry = awaited.popleft()
         except IndexError:  # another thread took the last one
             return
         entry.waker.wake(entry)
+
+
+def _discard(awaited: collections.deque, entry) -> None:
+    try:
+        awaited.remove(entry)
+    except ValueError:  # taken by the thread that ended the future
+        pass

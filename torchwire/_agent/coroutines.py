@@ -26,7 +26,7 @@ import threading
 from typing import Callable
 
 from .._base import intraop as _intraop, threads as _threads
-from .._base.errors import RpcStateError
+from .._base.errors import RemoteCallError, RpcStateError
 from .future import Future
 
 log = logging.getLogger("torchwire")
@@ -73,8 +73,7 @@ class CoroutineRunner:
 
         def settle(task: asyncio.Task) -> None:
             if task.cancelled():
-                fut.set_exception(RpcStateError(
-                    f"the coroutine was cancelled: {self._name} is shutting down"))
+                fut.set_exception(self.cancelled_error())
                 return
             exc = task.exception()
             if exc is None:
@@ -83,6 +82,16 @@ class CoroutineRunner:
                 fut.set_exception(exc)
         self.start(coro, settle)
         return fut
+
+    def cancelled_error(self) -> BaseException:
+        """Why a task of this loop ended cancelled: the agent's shutdown cancels them
+        all; otherwise the coroutine itself ended in ``CancelledError`` (it raised it,
+        or let through that of a task it awaited)."""
+        if self._stopped:
+            return RpcStateError(f"the coroutine was cancelled: {self._name} is shutting down")
+        return RemoteCallError(f"the coroutine was cancelled on {self._name}: it ended in "
+                               "asyncio.CancelledError (its own, or that of a task it "
+                               "awaited), not by torchwire")
 
     def _create_task(self, coro, done) -> None:
         task = asyncio.get_running_loop().create_task(coro)

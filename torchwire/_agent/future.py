@@ -116,7 +116,7 @@ class Future(AsyncioFuture, torch.futures.Future):
             if pending is not None:  # earlier callbacks not run yet: run after them
                 pending.append(run)
                 return
-            arm = not self.done()
+            arm = not self._completed()
             if arm:
                 self._tw_pending = [run]
         if arm:  # outside the lock: a future completing meanwhile drains inline
@@ -140,13 +140,21 @@ class Future(AsyncioFuture, torch.futures.Future):
         RRefs and tensors included.
         """
         try:
-            if not self.done():
+            if not self._completed():
                 return _threads.wait_blocking(super().wait)
             return super().wait()
         except BaseException as exc:
             raise _fresh(exc) from exc.__cause__
 
-    done = torch._C.Future.done  # (torch's Python wrapper only calls it)
+    def done(self) -> bool:
+        """torch's ``done()``; inside a running asyncio loop also True once cancelled,
+        as an asyncio future is (``asyncio.wait`` sorts futures by it)."""
+        return _c_done(self) or (self._tw_cancelled
+                                 and asyncio._get_running_loop() is not None)
+
+    # The torch side completed (a result or an error), cancelled or not: what callbacks
+    # and wait() go by.
+    _completed = torch._C.Future.done
 
     def value(self):
         """The value, or raise the error (a copy, as :meth:`wait`)."""
@@ -207,6 +215,7 @@ def add_done_callback(fut, callback) -> None:
 
 _queue_lock = threading.Lock()
 _c_value = torch._C.Future.value
+_c_done = torch._C.Future.done
 
 
 def _drain(fut: Future) -> None:

@@ -233,9 +233,9 @@ class Server:
 
     def _coroutine_done(self, conn, rid: int, task) -> None:
         """Loop thread: reply with what the task of an ``async def`` call ended with."""
-        if task.cancelled():  # only the agent's shutdown cancels them
-            self._defer(self.reply_error, conn, rid, RemoteCallError(
-                f"the coroutine was cancelled: {self._desc} is shutting down"), "")
+        if task.cancelled():
+            self._defer(self.reply_error, conn, rid, self._agent.coroutines.cancelled_error(),
+                        "")
             return
         exc = task.exception()
         if exc is not None:

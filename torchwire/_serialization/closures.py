@@ -44,6 +44,21 @@ def by_value(obj: Any) -> bool:
     return getattr(obj, "__module__", None) == "__main__" and interactive_main()
 
 
+def main_by_reference(obj: Any) -> bool:
+    """Whether a function or class of a file-run ``__main__`` can keep travelling by
+    reference in a message pickled by value (a lambda in it): cloudpickle would send
+    every ``__main__`` function and class by value, with the globals they use, so the
+    callee would run copies, and instances would be of a copied class."""
+    if getattr(obj, "__module__", None) != "__main__" or interactive_main():
+        return False
+    found: Any = sys.modules["__main__"]
+    for part in getattr(obj, "__qualname__", "<>").split("."):
+        found = getattr(found, part, None)  # "<locals>" finds nothing: by value
+        if found is None:
+            return False
+    return found is obj
+
+
 def culprit(obj: Any, can_pickle: Callable[[Any], bool]) -> str | None:
     """Where in ``obj`` pickling fails, as ``"args[1].lock (a _thread.lock)"``, or
     None if no single part can be blamed.

@@ -332,6 +332,8 @@ class _ClosurePickler(cloudpickle.Pickler):
     def reducer_override(self, obj):
         t = type(obj)
         how = _dispatch[t] if t in _dispatch else _resolve(t)
+        if how is _CODE and closures.main_by_reference(obj):
+            return NotImplemented  # a file-run __main__'s: by reference, as the first try
         if how is None or how is _CODE:
             if isinstance(obj, io.IOBase):
                 # cloudpickle would send a text file's contents, read from the start,
