@@ -138,12 +138,24 @@ class Future(AsyncioFuture, torch.futures.Future):
         which would make an uncollectable cycle (future -> exception -> frame ->
         future, the first link in C++) keeping every local of those frames alive,
         RRefs and tensors included.
+
+        On the main thread the wait is a Python lock's, which Ctrl-C interrupts
+        (torch's own wait is a C++ condition variable that does not run signal
+        handlers until the call ends).
         """
         try:
             if not self._completed():
-                return _threads.wait_blocking(super().wait)
+                if threading.get_ident() == _main_ident:
+                    done = _allocate_lock()
+                    done.acquire()
+                    torch._C.Future.add_done_callback(self, lambda _f: done.release())
+                    _threads.wait_blocking(done.acquire)
+                else:
+                    return _threads.wait_blocking(super().wait)
             return super().wait()
         except BaseException as exc:
+            if isinstance(exc, KeyboardInterrupt):
+                raise
             raise _fresh(exc) from exc.__cause__
 
     def done(self) -> bool:
@@ -214,6 +226,8 @@ def add_done_callback(fut, callback) -> None:
 
 
 _queue_lock = threading.Lock()
+_allocate_lock = threading.Lock
+_main_ident = threading.main_thread().ident
 _c_value = torch._C.Future.value
 _c_done = torch._C.Future.done
 

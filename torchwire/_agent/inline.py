@@ -224,6 +224,8 @@ class _Watchdog:
                 late = [r for r in self.runs if now - r.started >= INLINE_MAX_S]
             for run in late:
                 run.hand_off()
+            # this thread outlives agents: its locals must not keep the last one alive
+            late = run = None
 
 
 _pid = [os.getpid()]  # this process's pid (os.getpid() is a system call)

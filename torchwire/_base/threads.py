@@ -46,6 +46,13 @@ def current_pool():
     return _local.pool
 
 
+def in_torchwire_thread() -> bool:
+    """Whether the calling thread is one of torchwire's: an I/O thread (the event loop
+    of ``async def`` functions included), a pool thread, or a reader running a
+    request in place."""
+    return _local.io or _local.pool is not None or _local.inline is not None
+
+
 def set_inline_run(run) -> None:
     """The reader's inline run the calling thread is executing (or ``None``)."""
     _local.inline = run

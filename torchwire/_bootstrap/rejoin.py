@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import time
 from datetime import timedelta
 
@@ -62,6 +63,14 @@ def take_over(store, rank: int, record: dict, deadline: float) -> None:
             f"rank {rank} is already taken by worker {old.get('name')!r} of this job; a "
             f"restarted worker rejoins under its own name and rank, and {record['name']!r} "
             f"is not rank {rank}'s name")
+    if old.get("host") == host_identity() and old.get("pid") == os.getpid():
+        # init_rpc again after shutdown(), on the same store: rank 0's process keeps its
+        # store (and the keys of that session) as long as it lives, as torch's does
+        raise RendezvousError(
+            f"rank {rank}'s record in the rendezvous store is this process's own, from an "
+            "earlier init_rpc: the store still holds that RPC session (rank 0's process "
+            "keeps its store until it exits). Give the new session another init_method "
+            "port (MASTER_PORT)")
     unix = old.get("unix") if old.get("host") == host_identity() else None
     if listener_alive(old["tcp"], unix, max(0.05, min(2.0, deadline - time.monotonic()))):
         raise RendezvousError(

@@ -30,6 +30,7 @@ import json
 import os
 import secrets
 import socket
+import threading
 import time
 import urllib.parse
 from datetime import timedelta
@@ -230,6 +231,45 @@ def _wait_for_port(host: str, port: int, deadline: float) -> None:
             delay = min(delay * 2, 0.2)
 
 
+class _NotJoined(Exception):
+    """The wait for every worker's record ended without them (its cause: why)."""
+
+
+def _wait_and_read(store, keys: list[str], deadline: float) -> list[bytes]:
+    """``store.wait(keys)`` until ``deadline``, then their values.  On the main thread
+    both run on a helper thread while the main thread waits on an event, which Ctrl-C
+    interrupts: the store's own wait is a C++ call that runs no signal handler until
+    it returns (short waits in a loop would each log a C++ warning as they time out).
+
+    Raises:
+        _NotJoined: the wait ended without them (``__cause__``: the store's error).
+    """
+    left = timedelta(seconds=max(0.001, deadline - time.monotonic()))
+
+    def read() -> list[bytes]:
+        try:
+            store.wait(keys, left)
+        except Exception as exc:
+            raise _NotJoined() from exc
+        return store.multi_get(keys)  # at once: the store's host may go right after
+    if threading.current_thread() is not threading.main_thread():
+        return read()
+    done, result = threading.Event(), []
+
+    def run() -> None:
+        try:
+            result.append(read())
+        except BaseException as exc:
+            result.append(exc)
+        finally:
+            done.set()
+    threading.Thread(target=run, daemon=True, name="torchwire-rendezvous").start()
+    done.wait()
+    if isinstance(result[0], BaseException):
+        raise result[0]
+    return result[0]
+
+
 def join(store, rank: int, world_size: int, record: dict, timeout: float
          ) -> tuple[list[dict], bytes]:
     """Publish this worker and wait for everyone else (see the module docstring).
@@ -254,8 +294,8 @@ def join(store, rank: int, world_size: int, record: dict, timeout: float
         store.set(f"worker/{rank}", json.dumps(record))
     keys = [f"worker/{r}" for r in range(world_size)] + ["job"]
     try:
-        store.wait(keys, timedelta(seconds=max(0.001, deadline - time.monotonic())))
-    except Exception as exc:
+        values = _wait_and_read(store, keys, deadline)
+    except _NotJoined as exc:
         missing = []
         for r, key in enumerate(keys[:-1]):
             try:
@@ -271,8 +311,7 @@ def join(store, rank: int, world_size: int, record: dict, timeout: float
         raise RendezvousError(
             f"worker(s) with rank {missing} did not join within the init timeout of "
             f"{timeout:g}s (world_size={world_size}); check that every process was started "
-            f"with the same init_method and world_size{hint}") from exc
-    values = store.multi_get(keys)
+            f"with the same init_method and world_size{hint}") from exc.__cause__
     records = [json.loads(v) for v in values[:-1]]
     job = bytes.fromhex(values[-1].decode())
     if claims == 1:

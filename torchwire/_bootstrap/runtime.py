@@ -30,7 +30,7 @@ from .. import _serialization as ser
 from .._agent import AgentState, RpcAgent
 from .._agent.runtime import Runtime, current
 from .._autograd.backward import AutogradContainer
-from .._base import devices
+from .._base import devices, threads as _threads
 from .._base.errors import RendezvousError, RpcStateError, RRefError, not_initialized
 from .._base.options import channel_allowed
 from .._base.worker_record import WorkerRecord
@@ -135,6 +135,12 @@ def stop(graceful: bool, timeout: float, delete_users=None, ignore_leak: bool = 
     rt = current.runtime
     if rt is None or rt.agent.state is AgentState.CLOSED:
         raise not_initialized()
+    if graceful and _threads.in_torchwire_thread():
+        # it would wait for the outstanding work, its own call (or callback) included,
+        # whose caller waits for it in turn
+        raise RpcStateError("a graceful rpc.shutdown() cannot run inside a function or "
+                            "callback that RPC runs (it would wait for itself); call it "
+                            "from the program's own thread, or use graceful=False")
     agent = rt.agent
     if delete_users is not None:
         rt.rrefs.delete_users = delete_users

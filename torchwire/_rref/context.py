@@ -254,7 +254,7 @@ class RRefContext:
                 state.gate = gate
             self.janitor.put((Event.FORK, state, parent))
             self.janitor.hurry()
-        return RRef._new_user(state)
+        return RRef._new_user(self, state)
 
     # remote() ---------------------------------------------------------------------
 
@@ -286,7 +286,7 @@ class RRefContext:
             if state.deleted:
                 janitor.put((Event.CONFIRMED, state))
         fut._add_inline_callback(confirm)
-        return RRef._new_user(state, fut)
+        return RRef._new_user(self, state, fut)
 
     # agent plug-in -------------------------------------------------------------------
 
@@ -379,7 +379,7 @@ def _reduce_rref(rref: RRef):
     state = rref._user
     if state is not None and state.deleted:
         raise RRefError("Cannot call fork an UserRRef after deletion.")
-    return context().reduce(rref)
+    return rref._context().reduce(rref)
 
 
 class _PlainRRef:

@@ -44,6 +44,7 @@ class RRef:
     # Internal constructors ------------------------------------------------------
 
     def _init_owner(self, ctx, entry: Entry, creation) -> None:
+        self._ctx = ctx
         self._owner = ctx.rank
         self._entry = entry
         self._user = None
@@ -59,8 +60,9 @@ class RRef:
         return r
 
     @classmethod
-    def _new_user(cls, state: UserState, creation=None, type_=None) -> RRef:
+    def _new_user(cls, ctx, state: UserState, creation=None, type_=None) -> RRef:
         r = cls.__new__(cls)
+        r._ctx = ctx
         r._owner = state.owner
         r._entry = None
         r._user = state
@@ -81,7 +83,8 @@ class RRef:
     def __del__(self) -> None:
         state = getattr(self, "_user", None)
         rt = current.runtime
-        if state is not None and rt is not None and not state.deleted:
+        if state is not None and rt is not None and not state.deleted \
+                and rt.rrefs is getattr(self, "_ctx", None):  # of an earlier session: no
             rt.rrefs.janitor.put((Event.DELETED, state))
 
     # torch's API ----------------------------------------------------------------
@@ -92,7 +95,7 @@ class RRef:
 
     def owner(self) -> WorkerInfo:
         """:class:`WorkerInfo` of the owner."""
-        return context().agent.get_worker_info(self._owner)
+        return self._context().agent.get_worker_info(self._owner)
 
     def owner_name(self) -> str:
         """Name of the owner."""
@@ -112,7 +115,7 @@ class RRef:
         """
         if self._entry is None:
             s = self._user
-            ctx = context()
+            ctx = self._context()
             # torch's wording, then what to do instead
             raise RRefError(
                 f"For UserRRef(rref_id={gid(s.rref_id)}, fork_id={gid(s.fork_id)}), can't "
@@ -134,7 +137,7 @@ class RRef:
             RRefError: this user RRef was deleted.
         """
         self._check_alive("to_here()")
-        agent = context().agent
+        agent = self._ctx.agent
         timeout = resolve_timeout(timeout, agent.rpc_timeout)
         if self._entry is not None:
             return self._entry.value(timeout)
@@ -169,7 +172,7 @@ class RRef:
             RRefError: this user RRef was deleted.
         """
         self._check_alive("to_here_async()")
-        agent = context().agent
+        agent = self._ctx.agent
         timeout = resolve_timeout(timeout, agent.rpc_timeout)
         if self._entry is not None:
             return _copy_of(self._entry.future)
@@ -269,7 +272,7 @@ class RRef:
         elif self._entry is not None:
             fut = type_of(self._entry.future)
         else:
-            agent = context().agent
+            agent = self._context().agent
             fut = agent.call(agent.get_worker_info(self._owner), rref_type,
                              (self._user.rref_id,), None,
                              resolve_timeout(timeout, agent.rpc_timeout), pin=self)
@@ -292,20 +295,35 @@ class RRef:
         """``fut.wait()``, at most the call's timeout: on the owner, ``fut`` waits for
         the value itself (a ``remote()`` still running, or an entry an early fetch made
         whose creator died), which nothing else bounds."""
-        timeout = resolve_timeout(timeout, context().agent.rpc_timeout)
+        timeout = resolve_timeout(timeout, self._context().agent.rpc_timeout)
         if timeout > 0 and not fut.done():
             rref_id = self._entry.rref_id if self._entry is not None else self._user.rref_id
             wait_done(fut, timeout, f"the type of the value of {gid(rref_id)}")
         return fut.wait()
 
+    def _context(self):
+        """This session's RRef context.
+
+        Raises:
+            RpcStateError: RPC is not running.
+            RRefError: this RRef was made in an earlier session (``init_rpc`` again
+                after ``shutdown()``): its ids may name another value now.
+        """
+        ctx = context()
+        if ctx is not self._ctx:
+            raise RRefError(f"{self!r} belongs to an RPC session that was shut down: an "
+                            "RRef does not outlive rpc.shutdown()")
+        return ctx
+
     def _check_alive(self, what: str) -> None:
         state = self._user
         if state is not None and state.lost is not None:
-            raise context().owner_lost(state)
+            raise self._context().owner_lost(state)
         if state is not None and state.deleted:
             raise RRefError(f"User RRef with RRefId={gid(state.rref_id)} and "
                             f"ForkId={gid(state.fork_id)} has been deleted. "
                             f"Cannot call {what} on it after deletion.")
+        self._context()
 
     def __reduce__(self):
         # torch's wording; the RPC pickler handles RRefs before this is reached

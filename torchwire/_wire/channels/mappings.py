@@ -120,6 +120,8 @@ class _Releaser:
                     conn.send_release(seg_id, shm=True, retire=retire, forget=forget)
                 except Exception:  # a closed connection: its peer's leases ended with it
                     pass
+            # this thread outlives connections: its locals must not keep the last alive
+            conn = None
 
 
 _start_lock = threading.Lock()

@@ -1,0 +1,169 @@
+"""A worker's life around its RPC sessions: Ctrl-C, shutdown() where it cannot
+work, RRefs of an earlier session, init_rpc again on the same store.
+
+Real processes throughout; Ctrl-C is a real SIGINT to the process, whose main thread
+is the one waiting.
+"""
+
+from __future__ import annotations
+
+import gc
+import multiprocessing as mp
+import os
+import signal
+import socket
+import threading
+import time
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import torchwire.rpc as rpc
+from _cluster import child_result, new_init_method, options, run_world, start_child
+from torchwire import RRefError
+
+pytestmark = pytest.mark.timeout(90)
+
+_fork = mp.get_context("fork")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _slow(seconds):
+    time.sleep(seconds)
+    return "slept"
+
+
+def _shut_down_here():
+    rpc.shutdown()  # graceful: it would wait for this very call
+
+
+def _interrupted(wait) -> tuple:
+    """``wait()`` on the main thread while a SIGINT comes; what happened and when."""
+    t0 = time.monotonic()
+    try:
+        value = wait()
+    except KeyboardInterrupt:
+        return "KeyboardInterrupt", time.monotonic() - t0
+    return value, time.monotonic() - t0
+
+
+def test_ctrl_c_interrupts_a_future_wait_and_shutdown_inside_a_call_is_refused():
+    def body(rank, world_size):
+        if rank == 1:
+            return None
+        fut = rpc.rpc_async("worker1", _slow, args=(20,))
+        # the SIGINT comes once this thread waits on fut: the callback sees it blocked
+        timer = threading.Timer(0.5, os.kill, args=(os.getpid(), signal.SIGINT))
+        timer.start()
+        outcome, waited = _interrupted(fut.wait)
+        timer.join()
+        # graceful shutdown() inside a served function: refused at once, no deadlock
+        try:
+            rpc.rpc_sync("worker1", _shut_down_here, timeout=0)
+            refused = None
+        except Exception as exc:
+            refused = (type(exc).__name__, str(exc))
+        served = rpc.rpc_sync("worker1", _slow, args=(0,))
+        return outcome, waited, fut.done(), refused, served
+
+    outcome, waited, done, refused, served = run_world(body, 2, timeout=80)[0]
+    assert outcome == "KeyboardInterrupt", outcome
+    assert waited < 15, f"Ctrl-C took {waited:.1f} s to interrupt a 20 s wait"
+    assert not done  # the call goes on
+    assert refused is not None and refused[0] == "RpcStateError", refused
+    assert "cannot run inside a function" in refused[1], refused
+    assert served == "slept"
+
+
+def _init_alone(rank, world_size, init_method):
+    """rank 0 of a job of 2 whose rank 1 never comes: init_rpc waits for it."""
+    try:
+        rpc.init_rpc("worker0", rank=0, world_size=2,
+                     rpc_backend_options=options(init_method))
+    except KeyboardInterrupt:
+        return "KeyboardInterrupt"
+    return "joined"
+
+
+def test_ctrl_c_interrupts_init_rpc_waiting_for_a_missing_worker():
+    port = _free_port()
+    child = start_child(_init_alone, 0, 2, f"tcp://127.0.0.1:{port}")
+    try:
+        # once worker0 published itself it waits for worker1: interrupt it then
+        store = dist.PrefixStore("torchwire", dist.TCPStore(
+            "127.0.0.1", port, None, False, timedelta(seconds=30), wait_for_workers=False))
+        store.wait(["worker/0"], timedelta(seconds=30))
+        t0 = time.monotonic()
+        os.kill(child[0].pid, signal.SIGINT)
+        outcome = child_result(child, 40)
+        waited = time.monotonic() - t0
+    finally:
+        child[0].kill()
+    assert outcome == "KeyboardInterrupt"
+    assert waited < 20, f"Ctrl-C took {waited:.1f} s (the init timeout is 60 s)"
+
+
+def _make(n):
+    return torch.full((3,), float(n))
+
+
+def test_an_rref_of_an_earlier_session_neither_reads_nor_deletes_the_next_ones():
+    second = new_init_method()
+    ready = _fork.Barrier(2)
+
+    def body(rank, world_size, init_method):
+        rpc.init_rpc(f"worker{rank}", rank=rank, world_size=2,
+                     rpc_backend_options=options(init_method))
+        held = rpc.remote("worker1", _make, args=(1,)) if rank == 0 else None
+        if held is not None:
+            assert held.to_here().tolist() == [1.0] * 3
+        ready.wait(30)
+        rpc.shutdown(graceful=False)
+        ready.wait(30)
+        rpc.init_rpc(f"worker{rank}", rank=rank, world_size=2,
+                     rpc_backend_options=options(second))
+        out = None
+        if rank == 0:
+            fresh = rpc.remote("worker1", _make, args=(2,))
+            assert fresh.to_here().tolist() == [2.0] * 3
+            try:
+                stale = ("read", held.to_here().tolist())
+            except RRefError as exc:
+                stale = ("RRefError", str(exc))
+            del held  # must not delete the value of the new session's first RRef
+            gc.collect()
+            rpc.rpc_sync("worker1", gc.collect)  # a deletion would have arrived first
+            out = stale, fresh.to_here().tolist()
+        rpc.shutdown()
+        return out
+
+    stale, fresh = run_world(body, 2, init=False, timeout=80)[0]
+    assert stale[0] == "RRefError" and "session that was shut down" in stale[1], stale
+    assert fresh == [2.0] * 3
+
+
+def test_init_rpc_again_on_the_same_store_says_why_it_cannot():
+    init_method = f"tcp://127.0.0.1:{_free_port()}"
+
+    def body(rank, world_size, _init_method):
+        opts = options(init_method)
+        rpc.init_rpc(f"worker{rank}", rank=rank, world_size=2, rpc_backend_options=opts)
+        rpc.shutdown()
+        try:
+            rpc.init_rpc(f"worker{rank}", rank=rank, world_size=2, rpc_backend_options=opts)
+        except Exception as exc:
+            return type(exc).__name__, str(exc)
+        rpc.shutdown()
+        return "joined", ""
+
+    for kind, message in run_world(body, 2, init=False, timeout=80):
+        assert kind == "RendezvousError", (kind, message)
+        assert "earlier init_rpc" in message and "port" in message, message
+
