@@ -40,6 +40,18 @@ def _slow(seconds):
     return "slept"
 
 
+_release = threading.Event()
+
+
+def _held_back():
+    """Returns once released (or after 30 s)."""
+    return _release.wait(30)
+
+
+def _let_go():
+    _release.set()
+
+
 def _shut_down_here():
     rpc.shutdown()  # graceful: it would wait for this very call
 
@@ -58,7 +70,7 @@ def test_ctrl_c_interrupts_a_future_wait_and_shutdown_inside_a_call_is_refused()
     def body(rank, world_size):
         if rank == 1:
             return None
-        fut = rpc.rpc_async("worker1", _slow, args=(20,))
+        fut = rpc.rpc_async("worker1", _held_back)
         # the SIGINT comes once this thread waits on fut: the callback sees it blocked
         timer = threading.Timer(0.5, os.kill, args=(os.getpid(), signal.SIGINT))
         timer.start()
@@ -71,12 +83,14 @@ def test_ctrl_c_interrupts_a_future_wait_and_shutdown_inside_a_call_is_refused()
         except Exception as exc:
             refused = (type(exc).__name__, str(exc))
         served = rpc.rpc_sync("worker1", _slow, args=(0,))
-        return outcome, waited, fut.done(), refused, served
+        done = fut.done()
+        rpc.rpc_sync("worker1", _let_go)
+        return outcome, waited, done, fut.wait(), refused, served
 
-    outcome, waited, done, refused, served = run_world(body, 2, timeout=80)[0]
+    outcome, waited, done, value, refused, served = run_world(body, 2, timeout=80)[0]
     assert outcome == "KeyboardInterrupt", outcome
-    assert waited < 15, f"Ctrl-C took {waited:.1f} s to interrupt a 20 s wait"
-    assert not done  # the call goes on
+    assert waited < 15, f"Ctrl-C took {waited:.1f} s to interrupt a 30 s wait"
+    assert not done and value is True  # the call went on, and its reply came
     assert refused is not None and refused[0] == "RpcStateError", refused
     assert "cannot run inside a function" in refused[1], refused
     assert served == "slept"
