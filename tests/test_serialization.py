@@ -306,6 +306,38 @@ def test_non_contiguous_view_keeps_its_strides_and_sends_its_span_only():
     assert torch.equal(got, sparse)
 
 
+def test_an_expanded_tensor_travels_as_its_few_elements_with_its_zero_strides():
+    row = torch.randn(1024)
+    wide = row.expand(4096, 1024)  # 16 MiB of elements over 4 KiB of memory
+    payload, table = dumps(wide)
+    assert sum(t.numel() * t.element_size() for t in table) == 1024 * 4
+    got = loads(payload, [t.reshape(-1).view(torch.uint8).clone() for t in table])
+    assert torch.equal(got, wide) and got.stride() == (0, 1)
+
+
+class _Tagged(torch.Tensor):
+    pass
+
+
+def test_attributes_of_a_parameter_or_tensor_subclass_travel_with_it():
+    p = torch.nn.Parameter(torch.ones(3))
+    p.tag = "sharded"
+    s = torch.arange(4.0).as_subclass(_Tagged)
+    s.tag = 7
+    payload, table = dumps([p, s, torch.nn.Parameter(torch.zeros(2))])
+    got = loads(payload, [t.reshape(-1).view(torch.uint8).clone() for t in table])
+    assert type(got[0]) is torch.nn.Parameter and got[0].tag == "sharded"
+    assert type(got[1]) is _Tagged and got[1].tag == 7 and torch.equal(got[1], s)
+    assert got[2].__dict__ == {}
+
+
+def test_a_jagged_nested_tensor_is_refused_with_advice_that_applies():
+    nested = torch.nested.nested_tensor([torch.arange(3.0), torch.arange(5.0)],
+                                        layout=torch.jagged)
+    with pytest.raises(torchwire.SerializationError, match=r"unbind\(\)"):
+        dumps(nested)
+
+
 # ------------------------------------------------------------------ (b) through real RPC
 
 
@@ -338,6 +370,20 @@ def test_shared_tensors_stay_shared_through_rpc(world):
     same, nested_same, problems = world.run(1, body_identity_through_rpc)
     assert same and nested_same
     assert problems == []
+
+
+def body_expanded():
+    wide = torch.randn(1024).expand(65536, 1024)  # 256 MiB of elements, 4 KiB of memory
+    before = rpc.stats()["peers"].get("worker2", {}).get("bytes_out", 0)
+    got = rpc.rpc_sync("worker2", echo, args=(wide,))
+    sent = rpc.stats()["peers"]["worker2"]["bytes_out"] - before
+    return torch.equal(got, wide), got.stride(), sent
+
+
+def test_an_expanded_tensor_crosses_as_its_memory_not_its_elements(world):
+    equal, stride, sent = world.run(1, body_expanded)
+    assert equal and stride == (0, 1)
+    assert sent < 64 << 10, f"{sent} bytes sent for 4 KiB of memory"
 
 
 def body_many_tensors(n: int):

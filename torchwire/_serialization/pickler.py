@@ -80,10 +80,10 @@ def _typed(index: int, dtype: torch.dtype) -> torch.Tensor:
 
 
 def _rebuild_tensor(index: int, dtype: torch.dtype, shape: tuple, requires_grad: bool,
-                    cls: type | None):
+                    cls: type | None, state: dict | None = None):
     t = _typed(index, dtype)
     t = t.view(shape)
-    return _finish_tensor(t, requires_grad, cls)
+    return _finish_tensor(t, requires_grad, cls, state)
 
 
 def _rebuild_plain(index: int, dtype: torch.dtype, shape: tuple):
@@ -110,22 +110,23 @@ def _shaped(raw, dtype: torch.dtype, shape: tuple) -> torch.Tensor:
 
 
 def _span(t: torch.Tensor) -> int | None:
-    """Elements from a strided tensor's first to its last, or None if a stride is 0."""
+    """Elements from a strided tensor's first to its last (a dimension of stride 0, as
+    ``expand`` makes, adds none), or None if it has none."""
     if t.numel() == 0:
         return None
     span = 1
     for size, stride in zip(t.shape, t.stride()):
         if size > 1:
-            if stride <= 0:
+            if stride < 0:
                 return None
             span += (size - 1) * stride
     return span
 
 
 def _rebuild_strided(index: int, dtype: torch.dtype, shape: tuple, stride: tuple,
-                     requires_grad: bool, cls: type | None):
+                     requires_grad: bool, cls: type | None, state: dict | None = None):
     t = _typed(index, dtype).as_strided(shape, stride)
-    return _finish_tensor(t, requires_grad, cls)
+    return _finish_tensor(t, requires_grad, cls, state)
 
 
 def _rebuild_on_device(index: int, dtype: torch.dtype, shape: tuple, requires_grad: bool,
@@ -138,13 +139,17 @@ def _rebuild_on_device(index: int, dtype: torch.dtype, shape: tuple, requires_gr
     return _finish_tensor(t, requires_grad, None)
 
 
-def _finish_tensor(t: torch.Tensor, requires_grad: bool, cls: type | None):
+def _finish_tensor(t: torch.Tensor, requires_grad: bool, cls: type | None,
+                   state: dict | None = None):
     if cls is torch.nn.Parameter:
-        return torch.nn.Parameter(t, requires_grad=requires_grad)
-    if requires_grad:
-        t.requires_grad_(True)
-    if cls is not None:
-        t = t.as_subclass(cls)
+        t = torch.nn.Parameter(t, requires_grad=requires_grad)
+    else:
+        if requires_grad:
+            t.requires_grad_(True)
+        if cls is not None:
+            t = t.as_subclass(cls)
+    if state:  # a Parameter's or subclass's own attributes, as torch's pickling keeps
+        t.__dict__.update(state)
     return t
 
 
@@ -222,8 +227,9 @@ class _RpcPickler(pickle.Pickler):
                 "quantized tensors are not supported by torchwire RPC; "
                 "send t.dequantize() or its int_repr() and scale/zero_point instead")
         if t.layout is not torch.strided:
+            hint = "t.unbind() (its tensors)" if t.layout is torch.jagged else "t.to_dense()"
             raise SerializationError(
-                f"tensors with layout {t.layout} are not supported; send t.to_dense()")
+                f"tensors with layout {t.layout} are not supported; send {hint}")
         if t.device.type != "cpu":
             return self._reduce_device_tensor(t)
         data = t.detach()
@@ -232,6 +238,7 @@ class _RpcPickler(pickle.Pickler):
             data = data.resolve_conj().resolve_neg()
         cls = type(t)
         cls = None if cls is torch.Tensor else cls
+        extra = () if cls is None or not t.__dict__ else (dict(t.__dict__),)
         if not data.is_contiguous():
             # torch keeps a non-contiguous tensor's strides.  Send the region of memory the
             # view spans (its own elements and the gaps between them) when that is at most
@@ -243,11 +250,11 @@ class _RpcPickler(pickle.Pickler):
                 index = len(self.tensors)
                 self.tensors.append(region)
                 return _rebuild_strided, (index, t.dtype, tuple(t.shape), tuple(data.stride()),
-                                          t.requires_grad, cls)
+                                          t.requires_grad, cls, *extra)
             data = data.contiguous()
         index = len(self.tensors)
         self.tensors.append(data)
-        return _rebuild_tensor, (index, t.dtype, tuple(t.shape), t.requires_grad, cls)
+        return _rebuild_tensor, (index, t.dtype, tuple(t.shape), t.requires_grad, cls, *extra)
 
     @staticmethod
     def _route(device: torch.device) -> torch.device | None:
