@@ -15,7 +15,9 @@ for the big ones.  Every job is fresh (``run_world``), so counters start at zero
 
 from __future__ import annotations
 
+import ctypes
 import os
+import resource
 
 import pytest
 import torch
@@ -302,3 +304,44 @@ def test_ten_thousand_transfers_leave_nothing_behind():
         # the cache is bounded (shm.MAX_FREE), however late the releases came
         assert cached <= shm.MAX_FREE, (f"{cached} segments cached for 4 sizes of buffer "
                              f"({moved['created']} created during the run)")
+
+
+
+def test_a_large_new_segment_is_faulted_in_a_chunk_at_a_time_outside_the_lock(monkeypatch):
+    # One MAP_POPULATE of a 3 GiB segment held the process's memory-map lock for 5 s:
+    # no thread could start meanwhile (a pool thread sending a heartbeat's reply), and
+    # the peer declared this worker lost.
+    from torchwire._wire.channels import memory
+    mib = 1 << 20
+    pool = shm._Segments()
+    mapped, populated = [], []
+    map_fd, madvise = memory.map_fd, memory._libc.madvise
+
+    def record_map(fd, length, flags, offset=0):
+        mapped.append((length, bool(flags & memory.MAP_POPULATE)))
+        return map_fd(fd, length, flags, offset)
+
+    def record_madvise(addr, length, advice):
+        if advice == memory.MADV_POPULATE_WRITE:
+            populated.append((length, pool.lock._is_owned()))
+        return madvise(addr, length, advice)
+
+    monkeypatch.setattr(memory, "map_fd", record_map)
+    monkeypatch.setattr(memory._libc, "madvise", record_madvise)
+    size = 3 * memory.POPULATE_CHUNK + mib
+    small = pool._acquire(mib)
+    big = pool._acquire(size)
+    try:
+        assert mapped == [(mib, True), (size, False)]  # a small one at once, as before
+        assert [n for n, _ in populated] == [memory.POPULATE_CHUNK] * 3 + [mib]
+        assert not any(held for _, held in populated), "populated under the pool's lock"
+        # the pages are in: writing every one of them faults (almost) none
+        view = torch.frombuffer((ctypes.c_char * size).from_address(big.addr),
+                                dtype=torch.uint8)
+        before = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
+        view.fill_(1)
+        assert resource.getrusage(resource.RUSAGE_THREAD).ru_minflt - before < 64
+    finally:
+        with pool.lock:
+            for seg in (small, big):
+                pool._close(seg)

@@ -205,11 +205,17 @@ class _Segments:
                 seg = _Segment(self.next_id, fd, size)
                 self.segs[seg.id] = seg
                 self.counters["created"] += 1
+            chunked = False
             if not seg.addr:
                 self._make_room(seg.size)
-                seg.addr = M.map_fd(seg.fd, seg.size, M.MAP_SHARED | M.MAP_POPULATE)
+                # a large one is faulted in below, a chunk at a time, outside this lock
+                chunked = seg.size > M.POPULATE_CHUNK
+                seg.addr = M.map_fd(seg.fd, seg.size,
+                                    M.MAP_SHARED | (0 if chunked else M.MAP_POPULATE))
                 self.mapped += seg.size
-            return seg
+        if chunked:  # ours alone until leased: no lock needed
+            M.populate(seg.addr, seg.size)
+        return seg
 
     def _await_release(self, size: int) -> _Segment | None:
         """Wait (briefly) for a leased segment that fits ``size`` to come back.
