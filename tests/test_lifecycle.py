@@ -56,8 +56,15 @@ def _shut_down_here():
     rpc.shutdown()  # graceful: it would wait for this very call
 
 
+def _interruptible() -> None:
+    """Ctrl-C raises KeyboardInterrupt here, as in a program started from a terminal (a
+    process started in the background by a shell inherits SIGINT ignored)."""
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
 def _interrupted(wait) -> tuple:
     """``wait()`` on the main thread while a SIGINT comes; what happened and when."""
+    _interruptible()
     t0 = time.monotonic()
     try:
         value = wait()
@@ -98,6 +105,7 @@ def test_ctrl_c_interrupts_a_future_wait_and_shutdown_inside_a_call_is_refused()
 
 def _init_alone(rank, world_size, init_method):
     """rank 0 of a job of 2 whose rank 1 never comes: init_rpc waits for it."""
+    _interruptible()
     try:
         rpc.init_rpc("worker0", rank=0, world_size=2,
                      rpc_backend_options=options(init_method))
