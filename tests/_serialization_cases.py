@@ -50,14 +50,25 @@ def differences(expected, got, path: str = "value") -> list[str]:
         if not isinstance(got, torch.Tensor):
             return [f"{path}: expected a tensor, got {type(got).__name__}"]
         problems = []
-        for attr in ("dtype", "shape", "requires_grad", "layout", "is_sparse"):
+        for attr in ("dtype", "requires_grad", "layout", "is_sparse", "is_nested"):
             a, b = getattr(expected, attr), getattr(got, attr)
             if a != b:
                 problems.append(f"{path}.{attr}: {a} != {b}")
+        # a nested tensor of strided layout has no shape: its parts are compared below
+        if not problems and not expected.is_nested and expected.shape != got.shape:
+            problems.append(f"{path}.shape: {expected.shape} != {got.shape}")
         if type(expected) is not type(got):
             problems.append(f"{path}: type {type(expected).__name__} != {type(got).__name__}")
         if problems:
             return problems
+        if expected.is_quantized:
+            return problems + _quantized_differences(expected, got, path)
+        if expected.is_nested:
+            if expected.layout is torch.jagged and expected._ragged_idx != got._ragged_idx:
+                problems.append(f"{path}._ragged_idx: {expected._ragged_idx} != "
+                                f"{got._ragged_idx}")
+            return problems + differences(list(expected.unbind()), list(got.unbind()),
+                                          f"{path}.unbind()")
         if expected.is_sparse:
             if expected.is_coalesced() != got.is_coalesced():
                 problems.append(f"{path}.is_coalesced: {expected.is_coalesced()} != "
@@ -87,12 +98,38 @@ def differences(expected, got, path: str = "value") -> list[str]:
         f"{path}: {expected!r} != {got!r}"]
 
 
+def _quantized_differences(expected, got, path: str) -> list[str]:
+    if expected.qscheme() != got.qscheme():
+        return [f"{path}.qscheme: {expected.qscheme()} != {got.qscheme()}"]
+    if expected.qscheme() is torch.per_tensor_affine:
+        params = [(expected.q_scale(), got.q_scale()),
+                  (expected.q_zero_point(), got.q_zero_point())]
+    else:
+        params = [(expected.q_per_channel_axis(), got.q_per_channel_axis())]
+        for a, b in ((expected.q_per_channel_scales(), got.q_per_channel_scales()),
+                     (expected.q_per_channel_zero_points(), got.q_per_channel_zero_points())):
+            if not (a.dtype == b.dtype and torch.equal(a, b)):
+                return [f"{path}: per-channel parameters {a} != {b}"]
+    problems = [f"{path}: quantization parameter {a!r} != {b!r}" for a, b in params
+                if a != b or type(a) is not type(b)]
+    if not torch.equal(expected.int_repr(), got.int_repr()):
+        problems.append(f"{path}: int_repr() differs")
+    return problems
+
+
 def describe(obj):
     """A plain-Python summary (picklable over the test harness pipe)."""
     if isinstance(obj, torch.Tensor):
-        d = {"type": type(obj).__name__, "dtype": str(obj.dtype), "shape": tuple(obj.shape),
+        d = {"type": type(obj).__name__, "dtype": str(obj.dtype),
              "requires_grad": obj.requires_grad, "layout": str(obj.layout)}
-        if obj.is_sparse:
+        if obj.is_nested:
+            d["parts"] = describe(list(obj.detach().unbind()))
+            return d
+        d["shape"] = tuple(obj.shape)
+        if obj.is_quantized:
+            d["qscheme"] = str(obj.qscheme())
+            d["bits"] = bytes(obj.int_repr().reshape(-1).view(torch.uint8).numpy())
+        elif obj.is_sparse:
             d["coalesced"] = obj.is_coalesced()
             d["bits"] = bytes(_bits(obj.detach().to_dense()).numpy())
         else:
@@ -222,6 +259,23 @@ CASES.update({
                                                    requires_grad=False),
     "subclass": lambda: torch.arange(4.0).as_subclass(MyTensor),
     "nested_containers": _nested,
+    "quantized_per_tensor_quint8": _quiet(lambda: torch.quantize_per_tensor(
+        torch.randn(4, 6, generator=_gen()), 0.1, 3, torch.quint8)),
+    "quantized_per_tensor_qint32_transposed": _quiet(lambda: torch.quantize_per_tensor(
+        torch.randn(4, 6, generator=_gen()) * 100, 0.5, -2, torch.qint32).t()),
+    "quantized_per_channel_qint8": _quiet(lambda: torch.quantize_per_channel(
+        torch.randn(2, 3, generator=_gen()), torch.tensor([0.1, 0.2], dtype=torch.float64),
+        torch.tensor([0, 1]), 0, torch.qint8)),
+    "quantized_per_channel_float_qparams": _quiet(lambda: torch.quantize_per_channel(
+        torch.randn(3, 4, generator=_gen()), torch.tensor([0.1, 0.2, 0.3, 0.4]),
+        torch.tensor([1.0, -2.0, 0.5, 0.0]), 1, torch.quint8)),
+    "nested_strided": _quiet(lambda: torch.nested.nested_tensor(
+        [torch.randn(2, 3, generator=_gen()), torch.randn(4, 3, generator=_gen())])),
+    "nested_jagged": _quiet(lambda: torch.nested.nested_tensor(
+        [torch.randn(2, 3, generator=_gen()), torch.randn(5, 3, generator=_gen())],
+        layout=torch.jagged)),
+    "nested_jagged_requires_grad": _quiet(lambda: torch.nested.nested_tensor(
+        [torch.arange(3.0), torch.arange(1.0)], layout=torch.jagged, requires_grad=True)),
     "same_tensor_twice": lambda: (lambda t: [t, t, {"k": t}])(torch.arange(5)),
     "many_small_tensors": lambda: [torch.full((i % 7,), float(i)) for i in range(200)],
     "tensors_and_python_values": lambda: (1, "two", 3.0, None, b"bytes",

@@ -198,22 +198,12 @@ def test_sparse_tensor_with_out_of_range_indices_is_refused_on_receipt():
         loads(payload, wire(table))
 
 
-def _quantized():
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        per_tensor = torch.quantize_per_tensor(torch.randn(4, generator=_gen()), 0.1, 3,
-                                               torch.quint8)
-        per_channel = torch.quantize_per_channel(torch.randn(2, 3, generator=_gen()),
-                                                 torch.tensor([0.1, 0.2]),
-                                                 torch.tensor([0, 1]), 0, torch.qint8)
-    return per_tensor, per_channel
-
-
-@pytest.mark.parametrize("which", [0, 1], ids=["per_tensor", "per_channel"])
-def test_quantized_tensor_is_refused(which):
-    q = _quantized()[which]
+@pytest.mark.parametrize("dtype", ["quint4x2", "quint2x4"])
+def test_a_packed_quantized_tensor_is_refused_with_advice(dtype):
+    q = _quiet(lambda: torch.quantize_per_tensor(torch.randn(8), 0.1, 1,
+                                                 getattr(torch, dtype)))()
     for value in (q, [1, {"q": q}]):
-        with pytest.raises(torchwire.SerializationError, match="quantized"):
+        with pytest.raises(torchwire.SerializationError, match=r"dequantize\(\)"):
             dumps(value)
 
 
@@ -331,11 +321,34 @@ def test_attributes_of_a_parameter_or_tensor_subclass_travel_with_it():
     assert got[2].__dict__ == {}
 
 
-def test_a_jagged_nested_tensor_is_refused_with_advice_that_applies():
-    nested = torch.nested.nested_tensor([torch.arange(3.0), torch.arange(5.0)],
-                                        layout=torch.jagged)
-    with pytest.raises(torchwire.SerializationError, match=r"unbind\(\)"):
-        dumps(nested)
+def test_views_of_one_storage_arrive_sharing_one_and_send_its_bytes_once():
+    base = torch.arange(1000.0)
+    value = {"view": base[10:20], "base": base, "ints": base.view(torch.int32)[500:510],
+             "other": torch.ones(3), "strided": base.view(10, 100)[:, 3]}
+    payload, table = dumps(value)
+    assert sum(tensor_nbytes(t) for t in table) == 4000 + 12  # the storage's span, once
+    got = loads(payload, wire(table))
+    assert differences(value, got) == []
+    got["view"][0] = -1.0
+    got["base"][503] = 7.0
+    got["strided"][2] = -5.0
+    assert got["base"][10] == -1.0 and got["ints"][3] == torch.tensor(7.0).view(torch.int32)
+    assert got["base"][203] == -5.0 and got["other"].data_ptr() != got["base"].data_ptr()
+
+
+def test_views_that_share_little_of_a_storage_send_only_the_span_between_them():
+    base = torch.arange(10_000.0)
+    payload, table = dumps((base[100:110], base[200:205]))
+    assert sum(tensor_nbytes(t) for t in table) == 820 - 400  # bytes 400..820 of 40,000
+    got = loads(payload, wire(table))
+    assert torch.equal(got[0], base[100:110]) and torch.equal(got[1], base[200:205])
+    assert got[0].untyped_storage().data_ptr() == got[1].untyped_storage().data_ptr()
+
+
+def test_a_message_of_distinct_tensors_is_not_rewrapped():
+    value = (torch.ones(3), torch.zeros(2), torch.arange(4)[1:])
+    payload, table = dumps(value)
+    assert b"_unshare" not in payload and len(table) == 3
 
 
 # ------------------------------------------------------------------ (b) through real RPC
@@ -370,6 +383,41 @@ def test_shared_tensors_stay_shared_through_rpc(world):
     same, nested_same, problems = world.run(1, body_identity_through_rpc)
     assert same and nested_same
     assert problems == []
+
+
+def write_through_second(a, b):
+    """Writes through ``b``; what ``a`` sees (a is b, then a's first element)."""
+    b.view(-1)[0] = -1
+    return a is b, a.view(-1)[0].item() if a.numel() == b.numel() else a[2].item()
+
+
+def split_with_view(n: int):
+    x = torch.arange(float(n))
+    return x, x[1:3], x.view(8, -1)[:, 1]  # the column: a sparse view, sent compacted alone
+
+
+def body_views_share_through_rpc():
+    base = torch.arange(1 << 18, dtype=torch.float32)  # 1 MiB
+    out = {}
+    before = rpc.stats()["peers"].get("worker2", {}).get("bytes_out", 0)
+    # a module function with two tensor arguments: the plain (unpickled) call form
+    out["view"] = rpc.rpc_sync("worker2", write_through_second, args=(base, base[2:5]))
+    out["bytes_out"] = rpc.stats()["peers"]["worker2"]["bytes_out"] - before
+    out["same"] = rpc.rpc_sync("worker2", write_through_second, args=(base, base))
+    out["detached"] = rpc.rpc_sync("worker2", write_through_second, args=(base, base.detach()))
+    x, part, column = rpc.rpc_sync("worker2", split_with_view, args=(64,))
+    part[0] = 100.0
+    column[1] = 200.0
+    out["reply"] = (x[1].item(), x[9].item(), x[2].item(), column.stride())
+    return out
+
+
+def test_views_of_one_storage_stay_one_storage_through_rpc(world):
+    out = world.run(1, body_views_share_through_rpc)
+    assert out["view"] == (False, -1.0)  # the callee's write through the view shows
+    assert out["same"] == (True, -1.0) and out["detached"] == (False, -1.0)
+    assert out["bytes_out"] < (1 << 20) + (64 << 10), "the storage was sent more than once"
+    assert out["reply"] == (100.0, 200.0, 2.0, (8,))
 
 
 def body_expanded():
@@ -414,7 +462,9 @@ def test_16_mib_tensor(world):
 def body_refused_values():
     out = {}
     lock = threading.Lock()
-    for key, value in {"quantized": _quantized()[0], "lambda": lambda: lock,
+    packed = _quiet(lambda: torch.quantize_per_tensor(torch.randn(8), 0.1, 1,
+                                                      torch.quint4x2))()
+    for key, value in {"quantized": packed, "lambda": lambda: lock,
                        "lock": lock}.items():
         try:
             rpc.rpc_sync("worker1", echo, args=(value,))

@@ -1,6 +1,8 @@
 """The serialization layer: messages to (payload bytes, buffers) and back.
 
-* :mod:`.pickler` - the RPC pickler (tensors lifted out of the stream);
+* :mod:`.pickler` - the RPC pickler (tensors lifted out of the stream), with
+  :mod:`.sharing` (tensors of one storage stay one) and :mod:`.layouts` (quantized
+  and nested tensors);
 * :mod:`.plain` - the plain codec (fixed layouts for frequent small messages);
 * :mod:`.exceptions` - remote exceptions;
 * :mod:`.hooks` - the one registry through which the layers above plug in;

@@ -3,7 +3,9 @@
 A pickler lifts every tensor out of the pickle stream (TensorPipe's payload +
 tensor-table split): the stream keeps only each tensor's metadata and its index
 in the table; the table's raw bytes travel as separate buffers.  A view sends
-only its own elements (``numel * itemsize`` bytes), never its whole storage.
+only the memory it spans, never its whole storage; views of one storage in one
+message arrive sharing one (``sharing.py``).  Quantized and nested tensors travel
+as the plain tensors they are made of (``layouts.py``).
 On the receiving side the transport reads each buffer straight into a freshly
 allocated ``uint8`` tensor (or a ``bytearray`` for a small one) and the unpickler
 re-types it in place (``view(dtype).view(shape)``): no copy after the bytes leave
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import importlib
 import io
+import math
 import pickle
 import types
 from typing import Any
@@ -31,7 +34,7 @@ import cloudpickle
 import torch
 
 from .._base.errors import SerializationError, WorkerUnavailableError
-from . import closures, cuda_host, cuda_ipc
+from . import closures, cuda_host, cuda_ipc, layouts, sharing
 from .hooks import hooks
 from .state import grad as _grad
 from .state import tls as _tls
@@ -129,6 +132,15 @@ def _rebuild_strided(index: int, dtype: torch.dtype, shape: tuple, stride: tuple
     return _finish_tensor(t, requires_grad, cls, state)
 
 
+def _rebuild_compacted(index: int, dtype: torch.dtype, shape: tuple, stride: tuple,
+                       requires_grad: bool, cls: type | None, state: dict | None = None):
+    """A sparse view: its elements (compacted), or the memory it spans (it shared its
+    storage with another tensor of the message), which is more than its elements."""
+    t = _typed(index, dtype)
+    t = t.view(shape) if t.numel() == math.prod(shape) else t.as_strided(shape, stride)
+    return _finish_tensor(t, requires_grad, cls, state)
+
+
 def _rebuild_on_device(index: int, dtype: torch.dtype, shape: tuple, requires_grad: bool,
                        device: str):
     t = _typed(index, dtype).view(shape)
@@ -172,6 +184,7 @@ class _RpcPickler(pickle.Pickler):
     def __init__(self, file) -> None:
         super().__init__(file, protocol=_PROTOCOL)
         self.tensors: list[torch.Tensor] = []
+        self.spans: dict[int, torch.Tensor] | None = None  # see _reduce_tensor
 
     def reducer_override(self, obj):
         # Called for nearly every object pickled: one dict lookup by exact type decides.
@@ -208,13 +221,19 @@ class _RpcPickler(pickle.Pickler):
         if (type(t) is torch.Tensor and t.layout is torch.strided and t.is_cpu
                 and not t.requires_grad and t.is_contiguous() and not t.is_quantized
                 and not (t.is_conj() or t.is_neg())):
+            try:
+                shape = tuple(t.shape)
+            except RuntimeError:  # a nested tensor of strided layout has no shape
+                return layouts.reduce_nested(t)
             index = len(self.tensors)
             self.tensors.append(t)
-            return _rebuild_plain, (index, t.dtype, tuple(t.shape))
+            return _rebuild_plain, (index, t.dtype, shape)
         if t.requires_grad:
             send = _tls.send
             if send is not None and send.grad_ctx is not None and hooks.autograd is not None:
                 return hooks.autograd.reduce_tensor(send, t)
+        if t.is_nested:
+            return layouts.reduce_nested(t)
         if t.is_sparse:
             if t.requires_grad:
                 rg, t = True, t.detach()
@@ -223,13 +242,10 @@ class _RpcPickler(pickle.Pickler):
             return _rebuild_sparse_coo, (t._indices(), t._values(), tuple(t.shape),
                                          t.is_coalesced(), rg)
         if t.is_quantized:
-            raise SerializationError(
-                "quantized tensors are not supported by torchwire RPC; "
-                "send t.dequantize() or its int_repr() and scale/zero_point instead")
+            return layouts.reduce_quantized(t)
         if t.layout is not torch.strided:
-            hint = "t.unbind() (its tensors)" if t.layout is torch.jagged else "t.to_dense()"
             raise SerializationError(
-                f"tensors with layout {t.layout} are not supported; send {hint}")
+                f"tensors with layout {t.layout} are not supported; send t.to_dense()")
         if t.device.type != "cpu":
             return self._reduce_device_tensor(t)
         data = t.detach()
@@ -245,12 +261,22 @@ class _RpcPickler(pickle.Pickler):
             # _MAX_SPAN_RATIO x its elements; a sparser view is compacted instead.  Never
             # the whole storage.
             span = _span(data)
-            if span is not None and span <= _MAX_SPAN_RATIO * data.numel():
+            if span is not None:
                 region = data.as_strided((span,), (1,), data.storage_offset())
                 index = len(self.tensors)
-                self.tensors.append(region)
-                return _rebuild_strided, (index, t.dtype, tuple(t.shape), tuple(data.stride()),
-                                          t.requires_grad, cls, *extra)
+                rebuild = _rebuild_strided
+                if span <= _MAX_SPAN_RATIO * data.numel():
+                    self.tensors.append(region)
+                else:
+                    # compacted, unless another tensor of the message shares its storage:
+                    # then it goes as its span of the shared region (sharing.share)
+                    self.tensors.append(data.contiguous())
+                    if self.spans is None:
+                        self.spans = {}
+                    self.spans[index] = region
+                    rebuild = _rebuild_compacted
+                return rebuild, (index, t.dtype, tuple(t.shape), tuple(data.stride()),
+                                 t.requires_grad, cls, *extra)
             data = data.contiguous()
         index = len(self.tensors)
         self.tensors.append(data)
@@ -335,6 +361,7 @@ class _ClosurePickler(cloudpickle.Pickler):
     def __init__(self, file) -> None:
         super().__init__(file, protocol=_PROTOCOL)
         self.tensors: list[torch.Tensor] = []
+        self.spans: dict[int, torch.Tensor] | None = None  # see _reduce_tensor
 
     def reducer_override(self, obj):
         t = type(obj)
@@ -372,7 +399,7 @@ def _dumps_by_value(obj: Any) -> tuple[bytes, list[torch.Tensor]]:
         f = io.BytesIO()
         p = _ClosurePickler(f)
         p.dump(obj)
-        return f.getvalue(), p.tensors
+        return sharing.share(f.getvalue(), p.tensors, _PROTOCOL, p.spans)
     except SerializationError:
         raise
     except Exception as exc:
@@ -418,8 +445,10 @@ def dumps(obj: Any) -> tuple[bytes, list[torch.Tensor]]:
     try:
         p.tensors = []
         p.dump(obj)
-        payload = f.getvalue()
-        return payload, p.tensors
+        tensors = p.tensors
+        if len(tensors) < 2:
+            return f.getvalue(), tensors
+        return sharing.share(f.getvalue(), tensors, _PROTOCOL, p.spans)
     except (SerializationError, WorkerUnavailableError):
         raise  # (an RRef whose owner is gone cannot be sent: its own error)
     except Exception:  # pickle raises PicklingError, TypeError, AttributeError, ByValue
@@ -427,6 +456,7 @@ def dumps(obj: Any) -> tuple[bytes, list[torch.Tensor]]:
     finally:
         p.clear_memo()
         p.tensors = []
+        p.spans = None
         f.seek(0)
         f.truncate()
         cached[2] = False

@@ -37,6 +37,7 @@ from .._base.errors import ProtocolError, SerializationError
 from .closures import interactive_main
 from .hooks import hooks
 from .pickler import SendContext, _shaped
+from .sharing import shares
 from .state import grad as _grad
 
 
@@ -66,7 +67,10 @@ def plain_meta(t) -> tuple | None:
             and not (t.is_conj() or t.is_neg())):
         code = _PLAIN_CODES.get(t.dtype)
         if code is not None:
-            return code, tuple(t.shape)
+            try:
+                return code, tuple(t.shape)
+            except RuntimeError:  # a nested tensor of strided layout has no shape
+                return None
     return None
 
 
@@ -234,6 +238,8 @@ def plain_call(func, args, kwargs, dest: int) -> tuple[bytes, list, SendContext 
         elif t not in _SCALARS and not (rrefs is not None and t is rrefs.rref_type
                                         and rrefs.can(a, dest)):
             return None
+    if len(metas) > 1 and shares([m[2] for m in metas]):
+        return None  # pickled: tensors that share memory arrive sharing it
     send = SendContext(dest, True)
     descs, tensors = [], []
     k = 0
