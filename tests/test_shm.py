@@ -24,8 +24,9 @@ import torch
 
 import torchwire.rpc as rpc
 from _cluster import run_world
-from _shm_helpers import (SMALL, bump, bumped, check_and_return, connections, counters, echo,
-                          edited, grew, make, modify_and_return, same, settled, wait_for)
+from _shm_helpers import (SMALL, bump, bumped, check_and_return, connections, counters, drop,
+                          echo, edited, grew, held_matches, make, modify_and_return, same,
+                          settled, store, wait_for)
 from torchwire._wire.channels import MAX_FDS
 from torchwire._wire.channels import segments as shm
 from torchwire._wire.channels import shm as shm_channel
@@ -348,3 +349,43 @@ def test_a_large_new_segment_is_faulted_in_a_chunk_at_a_time_outside_the_lock(mo
         with pool.lock:
             for seg in (small, big):
                 pool._close(seg)
+
+
+def test_a_send_over_the_lease_limit_waits_for_the_peers_release():
+    # A peer releases what it received after its reply; a large call sent at once found
+    # the first still leased and, over MAX_LEASED, went through the socket (a second
+    # 3 GiB call: 12-28 s).  It waits for the release now, and a peer that keeps what
+    # it holds is not waited for again.
+    import threading
+
+    def body(rank, world_size):
+        if rank:
+            return None
+        shm_channel.MAX_LEASED = 24 << 20  # this worker's sends only
+        mib16 = 16 << 20
+        rpc.rpc_sync("worker1", store, args=("a", make(torch.uint8, mib16, 1)))
+        before = shm.stats()
+        second = []
+        sender = threading.Thread(target=lambda: second.append(
+            rpc.rpc_sync("worker1", store, args=("b", make(torch.uint8, mib16, 2)))))
+        sender.start()
+        waiting = wait_for(lambda: shm.stats()["room_waits"] > before["room_waits"])
+        rpc.rpc_sync("worker1", drop, args=("a",))  # its release lets "b" in
+        sender.join(30)
+        after = shm.stats()
+        intact = rpc.rpc_sync("worker1", held_matches, args=("b", (torch.uint8, mib16, 2)))
+        # "b" now stays held: two more sends find no room and wait in vain, then none waits
+        for seed in (3, 4, 5):
+            rpc.rpc_sync("worker1", store, args=(f"c{seed}", make(torch.uint8, mib16, seed)))
+        last = shm.stats()
+        return (waiting, second, intact, after["copies"] - before["copies"],
+                after["vain_room_waits"] - before["vain_room_waits"],
+                last["room_waits"] - after["room_waits"],
+                last["vain_room_waits"] - after["vain_room_waits"],
+                last["copies"] - after["copies"])
+
+    waiting, second, intact, copies, vain, waits, vain_after, copies_after = \
+        run_world(body, 2)[0]
+    assert waiting and second == [None] and intact
+    assert copies == 1 and vain == 0  # through shared memory, after one wait
+    assert waits == 2 and vain_after == 2 and copies_after == 0  # then the socket

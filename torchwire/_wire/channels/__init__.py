@@ -60,13 +60,16 @@ class ChannelFailed(Exception):
 class OutFrame:
     """A frame being built: the wire length of each buffer, the stream parts that
     follow the payload, the descriptors that go with the frame, and ``state``: what
-    the channel building it keeps per frame (a token, leases to undo)."""
+    the channel building it keeps per frame (a token, leases to undo), and the
+    sender's ``deadline`` (``time.monotonic()``, None: none), which bounds any wait
+    of a channel's."""
 
-    __slots__ = ("flags", "tensors", "lens", "parts", "fds", "state")
+    __slots__ = ("flags", "tensors", "lens", "parts", "fds", "state", "deadline")
 
-    def __init__(self, flags: int, tensors) -> None:
+    def __init__(self, flags: int, tensors, deadline: float | None = None) -> None:
         self.flags = flags
         self.tensors = tensors
+        self.deadline = deadline
         self.lens: list[int] = []
         self.parts: list = []
         self.fds: list[int] = []

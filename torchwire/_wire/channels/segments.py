@@ -55,6 +55,7 @@ from __future__ import annotations
 import fcntl
 import os
 import threading
+import time
 
 import torch
 
@@ -74,6 +75,8 @@ _WAIT_MIN = 16 << 20  # below this, a new segment costs less than waiting for a 
 _VAIN_MAX = 2  # waits for a peer's releases that may time out before it is not waited for
 _WAIT_MAX_S = 0.5  # the longest wait for a release
 _FAULT_RATE = 2e9  # bytes/s, about: what creating a segment costs bounds a wait for one
+_SOCKET_RATE = 1e9  # bytes/s, about: what the socket would cost bounds a wait for room
+_ROOM_WAIT_S = (0.1, 1.0)  # the shortest and longest wait for room
 
 available = M.available
 unmodified = M.unmodified
@@ -121,13 +124,15 @@ class _Segments:
     def __init__(self) -> None:
         self.settled = threading.Condition(self.lock)  # a segment joined self.free
         self.vain: dict = {}  # connection -> waits for its releases that timed out
+        self.vain_room: dict = {}  # connection -> waits for room under a limit, timed out
         self.segs: dict[int, _Segment] = {}
         self.free: list[_Segment] = []
         self.mapped = 0  # bytes of shared mappings this process holds
         self.warm_limit = 1 << 30
         self.next_id = 0
         self.counters = dict(created=0, reused=0, copies=0, copied_bytes=0, sent_back=0,
-                             sent_own=0, released=0, waits=0, vain_waits=0)
+                             sent_own=0, released=0, waits=0, vain_waits=0,
+                             room_waits=0, vain_room_waits=0)
 
     @property
     def lock(self):
@@ -301,6 +306,7 @@ class _Segments:
             else:
                 seg.leases[conn] -= 1
             self._settle(seg)
+            self.settled.notify_all()  # a sender waiting for room (await_room)
 
     def connection_closed(self, conn) -> None:
         """The peer of ``conn`` is gone or cut off: its leases end, and what it
@@ -314,13 +320,52 @@ class _Segments:
                     self._settle(seg)
                 seg.peers.discard(conn)
             self.vain.pop(conn, None)
+            self.vain_room.pop(conn, None)
             self.settled.notify_all()  # a sender waiting for one of its segments gives up
         _mappings.connection_closed(conn)
 
     def leased_bytes(self, conn) -> int:
         """Bytes of the segments ``conn``'s peer holds leases on."""
         with self.lock:
-            return sum(s.size for s in self.segs.values() if conn in s.leases)
+            return self._leased_bytes(conn)
+
+    def _leased_bytes(self, conn) -> int:
+        return sum(s.size for s in self.segs.values() if conn in s.leases)
+
+    def await_room(self, conn, n: int, limit: int, deadline: float | None = None) -> bool:
+        """Wait (briefly) until ``n`` more bytes fit the leases of ``conn``'s peer
+        under ``limit`` (or it holds none); whether they do.
+
+        A peer that received a large buffer releases it after its reply, so a
+        sender that sends again at once finds it still leased.  Waiting for the
+        release costs far less than sending through the socket, and bounds the
+        wait, within the sender's ``deadline`` (``time.monotonic()``).  A peer that
+        keeps what it received (a parameter server) makes the waits vain: after
+        ``_VAIN_MAX`` of them in a row for one connection, it is not waited for
+        again until a wait succeeds.
+        """
+        if in_io_thread():
+            return False
+        with self.lock:
+            if self.vain_room.get(conn, 0) >= _VAIN_MAX:
+                return False
+            self.counters["room_waits"] += 1
+            timeout = min(max(n / _SOCKET_RATE, _ROOM_WAIT_S[0]), _ROOM_WAIT_S[1])
+            if deadline is not None:
+                timeout = min(timeout, deadline - time.monotonic())
+                if timeout <= 0:
+                    return False
+
+            def fits() -> bool:
+                leased = self._leased_bytes(conn)
+                return conn.closed or not leased or leased + n <= limit
+
+            if self.settled.wait_for(fits, timeout=timeout) and not conn.closed:
+                self.vain_room.pop(conn, None)
+                return True
+            self.vain_room[conn] = self.vain_room.get(conn, 0) + 1
+            self.counters["vain_room_waits"] += 1
+            return False
 
     def leased_to(self, conn) -> int:
         """Leases ``conn``'s peer holds (mappings it has not released)."""
@@ -386,4 +431,5 @@ forget = _mappings.forget
 stats = _segments.stats
 leased_to = _segments.leased_to
 leased_bytes = _segments.leased_bytes
+await_room = _segments.await_room
 clear = _segments.clear

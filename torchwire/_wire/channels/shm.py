@@ -33,7 +33,10 @@ would fill memory with segments for it.  Past ``MAX_LEASED`` bytes leased to one
 peer (``MAX_LEASED_SILENT`` while the heartbeat hears nothing from it; one buffer
 of any size is always let in), buffers go through the socket instead, whose
 writer bounds what waits and fails calls at their deadlines (``writer.py``).  A
-peer that talks may hold much more (a parameter server keeping what it received).
+peer that talks is waited for briefly first (``segments.await_room``): one that
+just replied releases what it received right after, and a second large call sent
+at once would otherwise take the socket.  It may also hold much more for good (a
+parameter server keeping what it received): then the waits stop.
 """
 
 from __future__ import annotations
@@ -74,7 +77,9 @@ class ShmChannel(Channel):
             return False
         leased = segments.leased_bytes(conn)
         if leased and leased + n > (MAX_LEASED_SILENT if conn.silent else MAX_LEASED):
-            return False
+            # a peer that talks releases what it received after its reply: wait for that
+            if conn.silent or not segments.await_room(conn, n, MAX_LEASED, frame.deadline):
+                return False
         try:
             seg_id, seg_size, offset, how, fd = segments.export(t, n, conn)
         except OSError as exc:  # no memory for a segment, descriptors exhausted, ...
