@@ -1,5 +1,6 @@
 """A worker's life around its RPC sessions: Ctrl-C, shutdown() where it cannot
-work, RRefs of an earlier session, init_rpc again on the same store.
+work, RRefs of an earlier session (init_rpc again on the same store:
+tests/test_sessions.py).
 
 Real processes throughout; Ctrl-C is a real SIGINT to the process, whose main thread
 is the one waiting.
@@ -169,27 +170,3 @@ def test_an_rref_of_an_earlier_session_neither_reads_nor_deletes_the_next_ones()
     stale, fresh = run_world(body, 2, init=False, timeout=80)[0]
     assert stale[0] == "RRefError" and "session that was shut down" in stale[1], stale
     assert fresh == [2.0] * 3
-
-
-def test_init_rpc_again_on_the_same_store_says_why_it_cannot():
-    init_method = f"tcp://127.0.0.1:{_free_port()}"
-
-    def body(rank, world_size, _init_method):
-        opts = options(init_method)
-        rpc.init_rpc(f"worker{rank}", rank=rank, world_size=2, rpc_backend_options=opts)
-        rpc.shutdown()
-        try:
-            rpc.init_rpc(f"worker{rank}", rank=rank, world_size=2, rpc_backend_options=opts)
-        except Exception as exc:
-            return type(exc).__name__, str(exc)
-        rpc.shutdown()
-        return "joined", ""
-
-    (kind0, message0), (kind1, message1) = run_world(body, 2, init=False, timeout=80)
-    assert kind0 == "RendezvousError", (kind0, message0)
-    assert "earlier init_rpc" in message0 and "port" in message0, message0
-    # rank 1 finds its own record too, unless rank 0 gave up first, taking the
-    # store's server with it
-    assert kind1 == "RendezvousError", (kind1, message1)
-    assert "earlier init_rpc" in message1 or "rendezvous store failed" in message1, message1
-

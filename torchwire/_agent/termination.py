@@ -15,8 +15,10 @@
                  stop when totals balance (sent == received) and equal the previous
                  round's: no request is in flight or being served (with ranks given
                  up on: per pair of workers that reach each other)
-    EXIT:      set "sd/exit/<rank>"; rank 0 (which may host the store) waits until
-               every rank that was not given up on has, then all close their sockets.
+    EXIT:      set "sd/over" (the job is over: an init_rpc on this store now starts a
+               new session), then "sd/exit/<rank>"; rank 0 (which may host the
+               store) waits until every rank that was not given up on has, then all
+               close their sockets.
                A warning names the ranks that did not take part: no exit key, and
                proved dead or no record at all (died, or could not be reached
                through the whole shutdown).  A rank that published a record or its
@@ -56,6 +58,9 @@ _LIVENESS_PERIOD = 1.0  # seconds between liveness checks while shutdown waits
 # link, short, since a frozen peer costs every graceful shutdown this much.
 _DOWN_PROBE = 0.5
 _COUNT_KEY = "sd/n"  # shutdown keys set so far (any round, exit keys too)
+# Set by every worker that reaches the exit barrier: the job is over, and a process
+# that joins this store now starts a new one (torchwire/_bootstrap/sessions.py).
+OVER_KEY = "sd/over"
 # Seconds between polls of that count: at most _POLL_MAX, and _LONG_POLL_MAX once a
 # wait has lasted _LONG_WAIT (a worker that waits that long is waiting for another's
 # work to end, not for the next round).
@@ -102,6 +107,7 @@ class Termination:
             previous = state
         # Exit barrier: rank 0 may host the store, so it leaves last.
         try:
+            store.set(OVER_KEY, "1")
             publish(store, f"sd/exit/{agent.rank}", "1")
             if agent.rank == 0:
                 self._gather([f"sd/exit/{k}" for k in range(world)], deadline)

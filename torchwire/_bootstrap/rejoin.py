@@ -64,13 +64,13 @@ def take_over(store, rank: int, record: dict, deadline: float) -> None:
             f"restarted worker rejoins under its own name and rank, and {record['name']!r} "
             f"is not rank {rank}'s name")
     if old.get("host") == host_identity() and old.get("pid") == os.getpid():
-        # init_rpc again after shutdown(), on the same store: rank 0's process keeps its
-        # store (and the keys of that session) as long as it lives, as torch's does
+        # an earlier init_rpc of this process published itself in this session and then
+        # failed (one that succeeded makes the next init_rpc join a new session)
         raise RendezvousError(
-            f"rank {rank}'s record in the rendezvous store is this process's own, from an "
-            "earlier init_rpc: the store still holds that RPC session (rank 0's process "
-            "keeps its store until it exits). Give the new session another init_method "
-            "port (MASTER_PORT)")
+            f"rank {rank}'s record in this session of the rendezvous store is this "
+            "process's own, from an earlier init_rpc that failed; the other workers may "
+            "still wait in that session. Restart the job, or give the new one another "
+            "init_method port (MASTER_PORT)")
     unix = old.get("unix") if old.get("host") == host_identity() else None
     if listener_alive(old["tcp"], unix, max(0.05, min(2.0, deadline - time.monotonic()))):
         raise RendezvousError(

@@ -3,8 +3,9 @@
 This is the one place that knows every layer.  :func:`start`:
 
 1. opens the rendezvous store (``rendezvous.open_store``) and a listener;
-2. joins the job: a static group's rendezvous (``rendezvous.join``), or a dynamic
-   group's (``membership.join``);
+2. joins the job: a static group's rendezvous (``rendezvous.join``, in a new
+   session of the store if this process took part in its last one: ``sessions.py``),
+   or a dynamic group's (``membership.join``);
 3. builds the agent, the RRef context, the distributed autograd container and the
    collectives' state, and registers the last three as agent plug-ins
    (``torchwire._agent.runtime.AgentPlugin``), a dynamic group's membership as its
@@ -40,6 +41,7 @@ from .._wire.auth import JobAuth
 from .._wire.listener import Listener, host_identity
 from . import membership as _membership
 from . import rejoin as _rejoin
+from . import sessions as _sessions
 from .collectives import Collectives
 from .rendezvous import hosts_store, join, open_store
 
@@ -63,8 +65,8 @@ def start(name: str, rank: int, world_size: int | None, options) -> Runtime:
         timeout = options.init_timeout or options.rpc_timeout or 60.0
         deadline = time.monotonic() + timeout  # one budget for the store and the join
         auth = JobAuth.from_options(options)  # bad TLS files fail here, before the store
-        store, rank, world_size, store_host = open_store(options.init_method, rank,
-                                                         world_size, timeout)
+        store, rank, world_size, store_host, session = _open_session(options, rank,
+                                                                    world_size, deadline)
         listener = Listener(_listen_host(options, store_host), 0)
         membership = None
         try:
@@ -76,6 +78,7 @@ def start(name: str, rank: int, world_size: int | None, options) -> Runtime:
             else:
                 found, job = join(store, rank, world_size, record,
                                   max(0.001, deadline - time.monotonic()))
+                _sessions.joined(session)
                 records = [WorkerRecord.from_json(r) for r in found]
                 devices.check_all(records)  # the same data on every worker: the same error
             warn_if_unauthenticated(records, auth, rank)
@@ -113,6 +116,33 @@ def start(name: str, rank: int, world_size: int | None, options) -> Runtime:
         elif record.get("incarnation", 0) > 0:  # a restarted worker took its rank back
             _rejoin.announce(agent, record, deadline)
         return rt
+
+
+def _open_session(options, rank: int, world_size: int | None, deadline: float):
+    """``open_store``, then for a static group the session to join: a new one if this
+    process took part in the store's last one (``sessions.py``).  A store that fails
+    meanwhile (its host left; a new one may come up on the same address) is opened
+    again until ``deadline``.
+
+    Returns:
+        ``(store, rank, world_size, store_host, session)``; ``session`` None for a
+        dynamic group.
+    """
+    while True:
+        timeout = max(0.001, deadline - time.monotonic())
+        store, rank, world_size, store_host = open_store(options.init_method, rank,
+                                                         world_size, timeout)
+        if world_size is None:
+            return store, rank, world_size, store_host, None
+        try:
+            store, session = _sessions.enter(store, rank, deadline)
+            return store, rank, world_size, store_host, session
+        except _sessions.StoreLost as exc:
+            if time.monotonic() >= deadline:
+                raise
+            log.info("torchwire: the rendezvous store failed while rank %d waited for its "
+                     "next session (%s); opening it again", rank, exc)
+            time.sleep(0.01)
 
 
 def stop(graceful: bool, timeout: float, delete_users=None, ignore_leak: bool = True) -> None:

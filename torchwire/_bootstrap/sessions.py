@@ -1,0 +1,109 @@
+"""Sessions: ``init_rpc`` again, after ``shutdown()``, on the same store.
+
+Rank 0's process keeps the rendezvous store it hosts as long as it lives (the other
+ranks may still read it when its own ``shutdown()`` returns), so a second
+``init_rpc`` on the same ``init_method`` finds the first session's keys there.  As
+with torch, that second ``init_rpc`` must start a new job.  Each session of a static
+group keeps its keys under a prefix of its own: the first session under the store's
+prefix itself (what a running job and its restarted workers use), session ``n`` under
+``session_<n>``.  The store's ``session`` key holds the current one (absent: 0).
+
+Rank 0 starts each new session; the other ranks wait for it::
+
+    rank 0:  n = session; if this process took part in session n on this store,
+             or session n is over ("sd/over" set: a worker reached the exit barrier
+             of its graceful shutdown), set session = n + 1 and join that
+    rank k:  wait (init deadline) until session names one this process has not
+             taken part in and that is not over; join it
+
+A worker that waits on a store whose host then leaves opens the store again (a rank 0
+started afresh serves a new one on the same address) within its init deadline.
+
+A worker restarted into a running session (``rejoin.py``) finds it neither taken
+part in (a new process) nor over, and joins it as before.  What a process took part
+in is remembered per store *instance*: the first worker to use a store gives it a
+random ``store_id``, so a rank 0 started afresh (a new store on the same port) starts
+at session 0 again, and the others join it.
+"""
+
+from __future__ import annotations
+
+import secrets
+import threading
+import time
+
+import torch.distributed as dist
+
+from .._agent.termination import OVER_KEY
+from .._base.errors import RendezvousError
+
+class StoreLost(RendezvousError):
+    """The store failed while a worker waited for its next session: its host left
+    (rank 0 started afresh makes a new store on the same address)."""
+
+
+_KEY = "session"
+_lock = threading.Lock()
+_joined: dict[str, int] = {}  # store_id -> the last session this process joined there
+
+
+def _prefixed(store, n: int):
+    return store if n == 0 else dist.PrefixStore(f"session_{n}", store)
+
+
+def _current(store) -> int:
+    return int(store.get(_KEY)) if store.check([_KEY]) else 0
+
+
+def _over(store, n: int, store_id: str) -> bool:
+    with _lock:
+        joined = _joined.get(store_id, -1)
+    return joined >= n or _prefixed(store, n).check([OVER_KEY])
+
+
+def enter(store, rank: int, deadline: float):
+    """Which session of ``store`` this worker joins (see the module docstring).
+
+    Args:
+        store: the rendezvous store (prefixed).
+        rank: this worker's rank; rank 0 starts new sessions.
+        deadline: ``time.monotonic()`` by which the session must be known.
+
+    Returns:
+        ``(session_store, (store_id, n))``: the store prefixed for session ``n``, and
+        what :func:`joined` records once the join succeeded.
+
+    Raises:
+        StoreLost: the store failed (its host may have left: open it again).
+        RendezvousError: rank 0 did not start a new session in time.
+    """
+    try:
+        store_id = store.compare_set("store_id", "", secrets.token_hex(8)).decode()
+        n = _current(store)
+        if rank == 0:
+            if _over(store, n, store_id):
+                n += 1
+                store.set(_KEY, str(n))
+            return _prefixed(store, n), (store_id, n)
+        delay = 0.005
+        while _over(store, n, store_id):
+            if time.monotonic() + delay >= deadline:
+                raise RendezvousError(
+                    f"rank 0 did not start a new RPC session on this rendezvous store within "
+                    f"the init timeout: session {n} there is over or was this process's "
+                    "(start rank 0's init_rpc too, with the same init_method)")
+            time.sleep(delay)
+            delay = min(delay * 2, 0.1)
+            n = _current(store)
+    except RendezvousError:
+        raise
+    except Exception as exc:
+        raise StoreLost(f"rendezvous store failed: {exc}") from exc
+    return _prefixed(store, n), (store_id, n)
+
+
+def joined(session: tuple[str, int]) -> None:
+    """This process took part in ``session`` (what :func:`enter` returned)."""
+    store_id, n = session
+    with _lock:
+        _joined[store_id] = n
