@@ -212,6 +212,49 @@ def test_grad_only_on_return_value(world):
     assert torch.equal(world.run(0, body_grad_on_return_value), torch.full((3, 3), 3.0))
 
 
+def _jagged(requires_grad=True):
+    return torch.nested.nested_tensor([torch.arange(6.0).view(2, 3), torch.ones(5, 3)],
+                                      layout=torch.jagged, requires_grad=requires_grad)
+
+
+def jagged_times_three(nt):
+    return nt * 3
+
+
+def jagged_total(nt):
+    return (nt.values() * 5).sum()
+
+
+def body_jagged_through_autograd():
+    """A jagged nested tensor each way: its gradient arrives with offsets of its own,
+    which autograd took for another ragged size ("Mismatch in shape")."""
+    out = {}
+    with dist_autograd.context() as cid:
+        nt = _jagged()
+        r = rpc.rpc_sync("worker1", jagged_times_three, args=(nt,))
+        dist_autograd.backward(cid, [r.values().sum()])
+        out["reply"] = dist_autograd.get_gradients(cid)[nt].values().unique().tolist()
+    with dist_autograd.context() as cid:
+        nt = _jagged()
+        dist_autograd.backward(cid, [rpc.rpc_sync("worker1", jagged_total, args=(nt,))])
+        out["argument"] = dist_autograd.get_gradients(cid)[nt].values().unique().tolist()
+    with dist_autograd.context():
+        strided = torch.nested.nested_tensor([torch.ones(2), torch.ones(3)],
+                                             requires_grad=True)
+        try:
+            rpc.rpc_sync("worker1", jagged_times_three, args=(strided,))
+            out["strided"] = "sent"
+        except Exception as exc:
+            out["strided"] = f"{type(exc).__name__}: {exc}"
+    return out
+
+
+def test_jagged_nested_tensors_through_distributed_autograd(world):
+    out = world.run(0, body_jagged_through_autograd)
+    assert out["reply"] == [3.0] and out["argument"] == [5.0]
+    assert out["strided"].startswith("SerializationError") and "jagged" in out["strided"]
+
+
 def body_chain_nested():
     """A -> B -> C nested, and a cycle A -> B -> A."""
     a = torch.rand(4, requires_grad=True)

@@ -336,13 +336,38 @@ def test_views_of_one_storage_arrive_sharing_one_and_send_its_bytes_once():
     assert got["base"][203] == -5.0 and got["other"].data_ptr() != got["base"].data_ptr()
 
 
-def test_views_that_share_little_of_a_storage_send_only_the_span_between_them():
+def test_small_views_near_each_other_share_the_few_bytes_between_them():
     base = torch.arange(10_000.0)
     payload, table = dumps((base[100:110], base[200:205]))
     assert sum(tensor_nbytes(t) for t in table) == 820 - 400  # bytes 400..820 of 40,000
     got = loads(payload, wire(table))
     assert torch.equal(got[0], base[100:110]) and torch.equal(got[1], base[200:205])
     assert got[0].untyped_storage().data_ptr() == got[1].untyped_storage().data_ptr()
+
+
+def test_an_empty_view_travels_with_the_views_of_its_storage():
+    x = torch.arange(10.0)
+    for value in ((x, x[3:3]), (x[10:], x), (x[2:4], x[5:5], x[7:])):
+        got = loads(*_payload_and_wire(value))
+        assert differences(value, got) == []
+        assert len({t.untyped_storage().data_ptr() for t in got}) == 1
+
+
+def test_small_views_far_apart_in_a_large_storage_go_apart():
+    # sharing them would send the 64 MiB between them (torch clones such views too)
+    x = torch.zeros(16 << 20)
+    x[:4] = 1.0
+    x[-4:] = 2.0
+    value = (x[:4], x[-4:], x.view(4096, 4096)[:, 0])
+    payload, table = dumps(value)
+    assert sum(tensor_nbytes(t) for t in table) == 16 + 16 + 4096 * 4
+    got = loads(payload, wire(table))
+    assert differences(value, got) == []
+
+
+def _payload_and_wire(value):
+    payload, table = dumps(value)
+    return payload, wire(table)
 
 
 def test_a_message_of_distinct_tensors_is_not_rewrapped():

@@ -320,7 +320,20 @@ def _backward_hop(context_id: int, key: tuple, weight: int, items, report) -> No
                                     "here")
         _report(c, key, (c.rank, weight, []), _failure(c.rank, exc))
         return
-    _part(c, ctx, key, weight, outputs, [g for _, g in items], True)
+    _part(c, ctx, key, weight, outputs, [_matching(o, g) for o, (_, g) in zip(outputs, items)],
+          True)
+
+
+def _matching(output: torch.Tensor, grad):
+    """``grad`` as autograd takes it for ``output``.  A jagged nested gradient arrives
+    with offsets of its own, whose ragged size (a symbolic ``j<n>``) autograd would
+    take for another than its output's: it is rebuilt over the output's offsets."""
+    if type(grad) is torch.Tensor or not isinstance(grad, torch.Tensor) \
+            or grad.layout is not torch.jagged or output.layout is not torch.jagged \
+            or not torch.equal(grad.offsets(), output.offsets()):
+        return grad
+    return torch.nested.nested_tensor_from_jagged(
+        grad.values(), output.offsets(), output.lengths(), jagged_dim=output._ragged_idx)
 
 
 def _check_roots(roots) -> list[torch.Tensor]:

@@ -28,6 +28,7 @@ import torch
 from .. import _serialization as ser
 from .._agent.future import Deferred, Future
 from .._base.asyncexec import ASYNC_ATTR, is_async
+from .._base.errors import SerializationError
 from .context import container
 from .kinds import AutogradKind
 
@@ -232,6 +233,12 @@ class _GradHook:
 
     @staticmethod
     def reduce_tensor(send, t: torch.Tensor):
+        if t.is_nested and t.layout is torch.strided:
+            # autograd's recv node needs sizes, which such a tensor has not
+            raise SerializationError(
+                "a nested tensor of strided layout that requires grad cannot travel in a "
+                "distributed autograd context; send a jagged one (layout=torch.jagged) or "
+                "t.unbind()")
         c = container()
         sid = c.record_send(send.grad_ctx, t)
         return _rebuild_recv, (send.grad_ctx, c.rank, sid, t.detach())

@@ -1,13 +1,19 @@
-"""Tensors of one message that share memory arrive sharing it, as torch's do.
+"""Tensors of one message that share memory arrive sharing it.
 
 The pickler lifts each tensor into the message's table on its own: a view sends the
 bytes it spans, not its storage.  Two entries of one storage (a tensor and a view of
 it, two views, ``t`` and ``t.detach()``) would arrive as two storages, the bytes
 they have in common sent twice, and a write through one would not show in the
-other, where torch keeps them one storage.  After pickling, :func:`share` finds the
-entries that are views of one CPU storage; each such storage sends the bytes its
+other.  After pickling, :func:`share` finds the entries that are views of one CPU
+storage and groups those that lie close together: each group sends the bytes its
 entries span once, and the table the unpickler sees is rebuilt from slices of it
 (:func:`_unshare`), so the tensors rebuilt from them share it again.
+
+Entries lie close together when the span of their group is under ``_SMALL`` bytes
+or at most ``_DENSITY`` times the bytes of its entries.  Views far apart in a large
+storage (its first and last rows) go on their own: sharing them would send the
+whole gap.  torch's RPC sends a view's whole storage, but clones each view that uses
+less than half of a storage of 8 KiB or more, so those arrive apart there too.
 
 The message then is a small pickle around the original one: ``_unshare(layout,
 payload)``, where ``layout`` gives each original entry as ``(sent entry, byte
@@ -28,6 +34,8 @@ from .state import tls as _tls
 # A shared region starts this aligned within its storage, so every entry's offset in
 # it stays a multiple of its element size (the largest is complex128's).
 _ALIGN = 16
+_SMALL = 8 << 10  # a region this small is shared, however sparse
+_DENSITY = 2  # else at most this many times the bytes of its entries
 
 
 def shares(tensors: list) -> bool:
@@ -65,23 +73,51 @@ def share(payload: bytes, tensors: list, protocol: int,
         return payload, tensors
     layout: list[tuple[int, int, int]] = [(-1, -1, 0)] * len(tensors)
     sent: list = []
-    for base, members in groups.items():
+    for members in groups.values():
         if len(members) == 1:
             continue
-        views = [spans.get(i, tensors[i]) for i in members]
-        ranges = [(v.data_ptr() - base, v.numel() * v.element_size()) for v in views]
-        lo = min(start for start, _ in ranges) // _ALIGN * _ALIGN
-        hi = max(start + n for start, n in ranges)
-        region = torch.empty(0, dtype=torch.uint8).set_(views[0].untyped_storage(), lo,
-                                                        (hi - lo,))
-        for i, (start, n) in zip(members, ranges):
-            layout[i] = (len(sent), start - lo, n)
-        sent.append(region)
+        views = {i: spans.get(i, tensors[i]) for i in members}
+        # (start, bytes spanned, bytes it would send alone, entry); an empty view's
+        # data_ptr() is 0, its offset is not
+        ranges = sorted((v.storage_offset() * v.element_size(), v.numel() * v.element_size(),
+                         tensors[i].numel() * tensors[i].element_size(), i)
+                        for i, v in views.items())
+        for cluster in _close_together(ranges):
+            if len(cluster) == 1:
+                continue
+            lo = cluster[0][0] // _ALIGN * _ALIGN
+            hi = max(start + n for start, n, _, _ in cluster)
+            storage = views[cluster[0][3]].untyped_storage()
+            region = torch.empty(0, dtype=torch.uint8).set_(storage, lo, (hi - lo,))
+            for start, n, _, i in cluster:
+                layout[i] = (len(sent), start - lo, n)
+            sent.append(region)
     for i, t in enumerate(tensors):
         if layout[i][0] < 0:
             layout[i] = (len(sent), -1, 0)
             sent.append(t)
     return pickle.dumps(_Shared(tuple(layout), payload), protocol=protocol), sent
+
+
+def _close_together(ranges: list) -> list[list]:
+    """``ranges`` (sorted ``(start, bytes spanned, bytes alone, entry)``) in groups
+    whose span is under ``_SMALL`` or at most ``_DENSITY`` times what their entries
+    would send alone."""
+    clusters: list[list] = []
+    cluster: list = []
+    lo = hi = alone = 0
+    for r in ranges:
+        start, n, own, _ = r
+        if cluster:
+            span = max(hi, start + n) - lo
+            if span < _SMALL or span <= _DENSITY * (alone + own):
+                cluster.append(r)
+                hi, alone = max(hi, start + n), alone + own
+                continue
+            clusters.append(cluster)
+        cluster, lo, hi, alone = [r], start, start + n, own
+    clusters.append(cluster)
+    return clusters
 
 
 class _Shared:
