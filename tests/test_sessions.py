@@ -25,6 +25,16 @@ def tag(session, rank):
     return session, rank, os.getpid()
 
 
+def _try_init(name: str, rank: int, world_size: int, init_method: str, **opts) -> str:
+    """``init_rpc``: "joined", or the error it raised as "Type: message"."""
+    try:
+        rpc.init_rpc(name, rank=rank, world_size=world_size,
+                     rpc_backend_options=options(init_method, **opts))
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "joined"
+
+
 def _session_key(port: int):
     """The store's current session (its ``session`` key), read as a client: None for
     a store whose only session is the first."""
@@ -106,3 +116,97 @@ def test_a_worker_that_stays_joins_a_rank_0_started_afresh():
     worker_pid = child_result(stays)
     assert first_pid == second_pid == worker_pid and first_host != second_host
     assert first_session is None and second_session is None
+
+
+def test_a_fresh_worker_after_a_job_that_ended_abruptly_waits_for_the_next():
+    # shutdown(graceful=False) leaves no "sd/over": a fresh worker finds its rank taken
+    # in a session whose other workers are all gone.  It took itself for a worker
+    # restarted into that dead job, and its init_rpc returned into it; it waits for
+    # rank 0's next session now (here, in vain first: rank 0 starts it later).
+    init_method = f"tcp://127.0.0.1:{_port()}"
+    first_done, late_done = _ctx.Event(), _ctx.Event()
+
+    def host(rank, world_size, _unused):
+        rpc.init_rpc("worker0", rank=0, world_size=2, rpc_backend_options=options(init_method))
+        first = rpc.rpc_sync("worker1", tag, args=(0, 1))[2]
+        rpc.shutdown(graceful=False)
+        first_done.set()
+        assert late_done.wait(60)
+        rpc.init_rpc("worker0", rank=0, world_size=2, rpc_backend_options=options(init_method))
+        second = rpc.rpc_sync("worker1", tag, args=(1, 1))[2]
+        rpc.shutdown()
+        return first, second
+
+    def first_worker(rank, world_size, _unused):
+        rpc.init_rpc("worker1", rank=1, world_size=2, rpc_backend_options=options(init_method))
+        assert first_done.wait(30)
+        rpc.shutdown(graceful=False)
+        return os.getpid()
+
+    def late_worker(rank, world_size, _unused):
+        outcome = _try_init("worker1", 1, 2, init_method, rpc_timeout=2)
+        late_done.set()
+        return outcome
+
+    def next_worker(rank, world_size, _unused):
+        rpc.init_rpc("worker1", rank=1, world_size=2, rpc_backend_options=options(init_method))
+        rpc.shutdown()
+        return os.getpid()
+
+    stays = start_child(host, 0, 2, init_method)
+    first = child_result(start_child(first_worker, 1, 2, init_method))
+    late = child_result(start_child(late_worker, 1, 2, init_method))
+    second = child_result(start_child(next_worker, 1, 2, init_method))
+    assert late.startswith("RendezvousError") and "new RPC session" in late, late
+    assert child_result(stays) == (first, second)
+
+
+def test_rank_0_can_init_again_after_a_failed_init_rpc():
+    init_method = f"tcp://127.0.0.1:{_port()}"
+    started = _ctx.Event()
+
+    def host(rank, world_size, _unused):
+        first = _try_init("worker0", 0, 2, init_method, rpc_timeout=2).split(":")[0]
+        started.set()
+        rpc.init_rpc("worker0", rank=0, world_size=2, rpc_backend_options=options(init_method))
+        got = rpc.rpc_sync("worker1", tag, args=(1, 1))[:2]
+        rpc.shutdown()
+        return first, got
+
+    def worker(rank, world_size, _unused):
+        rpc.init_rpc("worker1", rank=1, world_size=2, rpc_backend_options=options(init_method))
+        rpc.shutdown()
+        return True
+
+    stays = start_child(host, 0, 2, init_method)
+    assert started.wait(60)
+    assert child_result(start_child(worker, 1, 2, init_method))
+    assert child_result(stays) == ("RendezvousError", (1, 1))
+
+
+def test_a_worker_of_another_world_size_is_refused_naming_both():
+    init_method = f"tcp://127.0.0.1:{_port()}"
+    running = _ctx.Event()
+    done = _ctx.Event()
+
+    def member(rank, world_size, _unused):
+        rpc.init_rpc(f"worker{rank}", rank=rank, world_size=2,
+                     rpc_backend_options=options(init_method))
+        running.set()
+        assert done.wait(60)
+        rpc.shutdown()
+        return True
+
+    def other(rank, world_size, _unused):
+        outcome = _try_init("worker2", 2, 3, init_method)
+        if outcome == "joined":
+            rpc.shutdown()
+        return outcome
+
+    members = [start_child(member, r, 2, init_method) for r in range(2)]
+    assert running.wait(60)
+    outcome = child_result(start_child(other, 2, 3, init_method))
+    done.set()
+    assert all(child_result(m) for m in members)
+    assert outcome.startswith("RendezvousError"), outcome
+    assert "world_size=3" in outcome and "world_size=2" in outcome

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import time
 from datetime import timedelta
 
@@ -63,14 +62,6 @@ def take_over(store, rank: int, record: dict, deadline: float) -> None:
             f"rank {rank} is already taken by worker {old.get('name')!r} of this job; a "
             f"restarted worker rejoins under its own name and rank, and {record['name']!r} "
             f"is not rank {rank}'s name")
-    if old.get("host") == host_identity() and old.get("pid") == os.getpid():
-        # an earlier init_rpc of this process published itself in this session and then
-        # failed (one that succeeded makes the next init_rpc join a new session)
-        raise RendezvousError(
-            f"rank {rank}'s record in this session of the rendezvous store is this "
-            "process's own, from an earlier init_rpc that failed; the other workers may "
-            "still wait in that session. Restart the job, or give the new one another "
-            "init_method port (MASTER_PORT)")
     unix = old.get("unix") if old.get("host") == host_identity() else None
     if listener_alive(old["tcp"], unix, max(0.05, min(2.0, deadline - time.monotonic()))):
         raise RendezvousError(

@@ -8,7 +8,8 @@ by anyone who can reach its port, and must not become a way to run code here.
 Static join protocol (``world_size`` given; every rank, in this order)::
 
     0. claim  "group"      compare_set("", "static"): a group of the other kind
-                           (dynamic, see _membership.py) in this store is an error
+                           (dynamic, see _membership.py) in this store is an error;
+              "world_size" compare_set("", world_size): another size is an error
     1. claim  "rank/<r>"   add(1) returns 1: a first join; else the rank's worker
                            died and this process takes its place, or the rank is
                            held by a live worker and it is refused (rejoin.py)
@@ -283,9 +284,16 @@ def join(store, rank: int, world_size: int, record: dict, timeout: float
     deadline = time.monotonic() + timeout
     claim_group_kind(store, "static")
     try:
-        claims = store.add(f"rank/{rank}", 1)
+        found = store.compare_set("world_size", "", str(world_size)).decode()
+        claims = store.add(f"rank/{rank}", 1) if found == str(world_size) else 0
     except Exception as exc:
         raise RendezvousError(f"rendezvous store failed: {exc}") from exc
+    if found != str(world_size):
+        raise RendezvousError(
+            f"this worker (rank {rank}) was started with world_size={world_size}, and the "
+            f"job running on this rendezvous store has world_size={found}; start every "
+            "worker with the same world_size (a worker for the next job waits for this one "
+            "to shut down first)")
     if claims != 1:
         take_over(store, rank, record, deadline)  # a restarted worker, or refused
     else:

@@ -135,7 +135,7 @@ def _open_session(options, rank: int, world_size: int | None, deadline: float):
         if world_size is None:
             return store, rank, world_size, store_host, None
         try:
-            store, session = _sessions.enter(store, rank, deadline)
+            store, session = _sessions.enter(store, rank, world_size, deadline)
             return store, rank, world_size, store_host, session
         except _sessions.StoreLost as exc:
             if time.monotonic() >= deadline:

@@ -12,9 +12,11 @@ Rank 0 starts each new session; the other ranks wait for it::
 
     rank 0:  n = session; if this process took part in session n on this store,
              or session n is over ("sd/over" set: a worker reached the exit barrier
-             of its graceful shutdown), set session = n + 1 and join that
+             of its graceful shutdown), or abandoned (this rank was taken there, and
+             every other worker that published itself is gone: its listener
+             refuses), set session = n + 1 and join that
     rank k:  wait (init deadline) until session names one this process has not
-             taken part in and that is not over; join it
+             taken part in, not over and not abandoned; join it
 
 A worker that waits on a store whose host then leaves opens the store again (a rank 0
 started afresh serves a new one on the same address) within its init deadline.
@@ -28,6 +30,7 @@ at session 0 again, and the others join it.
 
 from __future__ import annotations
 
+import json
 import secrets
 import threading
 import time
@@ -36,6 +39,7 @@ import torch.distributed as dist
 
 from .._agent.termination import OVER_KEY
 from .._base.errors import RendezvousError
+from .._wire.listener import host_identity, listener_alive
 
 class StoreLost(RendezvousError):
     """The store failed while a worker waited for its next session: its host left
@@ -43,6 +47,7 @@ class StoreLost(RendezvousError):
 
 
 _KEY = "session"
+_PROBE_S = 0.5  # the longest probe of a listener that does not answer
 _lock = threading.Lock()
 _joined: dict[str, int] = {}  # store_id -> the last session this process joined there
 
@@ -61,12 +66,34 @@ def _over(store, n: int, store_id: str) -> bool:
     return joined >= n or _prefixed(store, n).check([OVER_KEY])
 
 
-def enter(store, rank: int, deadline: float):
+def _abandoned(store, n: int, rank: int, world_size: int) -> bool:
+    """Session ``n`` is left by everyone: this rank was taken there before, and every
+    other worker that published itself there is gone (its listener refuses).  A job
+    that ended without a graceful shutdown leaves no ``sd/over``; a worker restarted
+    into a running one finds some other worker alive."""
+    session = _prefixed(store, n)
+    if not session.check([f"rank/{rank}"]):
+        return False
+    keys = [f"worker/{k}" for k in range(world_size) if k != rank]
+    present = [k for k in keys if session.check([k])]
+    if not present:
+        return False
+    here = host_identity()
+    for raw in session.multi_get(present):
+        record = json.loads(raw)
+        unix = record.get("unix") if record.get("host") == here else None
+        if listener_alive(tuple(record["tcp"]), unix, _PROBE_S):
+            return False
+    return True
+
+
+def enter(store, rank: int, world_size: int, deadline: float):
     """Which session of ``store`` this worker joins (see the module docstring).
 
     Args:
         store: the rendezvous store (prefixed).
         rank: this worker's rank; rank 0 starts new sessions.
+        world_size: the size of the group it joins.
         deadline: ``time.monotonic()`` by which the session must be known.
 
     Returns:
@@ -81,12 +108,12 @@ def enter(store, rank: int, deadline: float):
         store_id = store.compare_set("store_id", "", secrets.token_hex(8)).decode()
         n = _current(store)
         if rank == 0:
-            if _over(store, n, store_id):
+            if _over(store, n, store_id) or _abandoned(store, n, rank, world_size):
                 n += 1
                 store.set(_KEY, str(n))
             return _prefixed(store, n), (store_id, n)
         delay = 0.005
-        while _over(store, n, store_id):
+        while _over(store, n, store_id) or _abandoned(store, n, rank, world_size):
             if time.monotonic() + delay >= deadline:
                 raise RendezvousError(
                     f"rank 0 did not start a new RPC session on this rendezvous store within "
