@@ -8,7 +8,6 @@ from __future__ import annotations
 import socket
 import struct
 import threading
-import time
 
 import pytest
 import torch
@@ -110,12 +109,20 @@ class _Sink:
 
     def __init__(self) -> None:
         self.frames: list = []
+        self.arrived = threading.Condition()
         self.closed = threading.Event()
         self.close_exc = None
 
     def on_frames(self, conn, frames, at_rest=False) -> bool:
-        self.frames.extend(frames)
+        with self.arrived:
+            self.frames.extend(frames)
+            self.arrived.notify_all()
         return False
+
+    def wait_frames(self, n: int, timeout: float = 10) -> bool:
+        """Until ``n`` frames have been delivered (False: not within ``timeout``)."""
+        with self.arrived:
+            return self.arrived.wait_for(lambda: len(self.frames) >= n, timeout)
 
     def on_close(self, conn, exc) -> None:
         self.close_exc = exc
@@ -192,6 +199,8 @@ def test_a_reader_sends_cma_releases_itself_and_never_blocks_on_a_full_socket():
         got = b.recv(F.HEADER_SIZE)
         assert F.HEADER.unpack(got)[2:5] == (F.K_RELEASE, 0, 7)
         assert deferred == []
+        # the RELEASE may leave before the frame is handed on
+        assert sink.wait_frames(1)
         assert sink.frames[0][4][0].view(torch.int32).equal(src)
         # 2. The socket towards the peer is full: the reader must not block on it.
         a.setblocking(False)
@@ -203,10 +212,7 @@ def test_a_reader_sends_cma_releases_itself_and_never_blocks_on_a_full_socket():
             pass
         a.setblocking(True)
         b.sendall(_cma_frame(12, src, token=8))
-        deadline = time.monotonic() + 10
-        while len(sink.frames) < 2 and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert len(sink.frames) == 2, "the reader blocked on its full socket"
+        assert sink.wait_frames(2), "the reader blocked on its full socket"
         assert len(deferred) == 1  # the pool writes the RELEASE once there is room
         assert not ran.is_set()
         drained = bytearray()
