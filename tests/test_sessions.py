@@ -8,6 +8,7 @@ import os
 import socket
 from datetime import timedelta
 
+import pytest
 import torch.distributed as dist
 
 import torchwire.rpc as rpc
@@ -210,3 +211,26 @@ def test_a_worker_of_another_world_size_is_refused_naming_both():
     assert all(child_result(m) for m in members)
     assert outcome.startswith("RendezvousError"), outcome
     assert "world_size=3" in outcome and "world_size=2" in outcome
+
+
+@pytest.mark.parametrize("kinds", ["sds", "dsd"])
+def test_static_and_dynamic_groups_take_turns_on_one_port(kinds):
+    # each is a session of its own ("static" then "dynamic" in one store was refused as
+    # a mix of kinds, though nobody mixed them within a job)
+    init_method = f"tcp://127.0.0.1:{_port()}"
+    both = [_ctx.Barrier(2) for _ in kinds]
+
+    def body(rank, world_size, _unused):
+        out = []
+        for session, kind in enumerate(kinds):
+            rpc.init_rpc(f"worker{rank}", rank=rank, world_size=2 if kind == "s" else None,
+                         rpc_backend_options=options(init_method))
+            both[session].wait(30)  # a dynamic group's members: both there before calls
+            got = rpc.rpc_sync(f"worker{1 - rank}", tag, args=(session, rank))
+            out.append((kind, got[0]))
+            both[session].wait(30)
+            rpc.shutdown()
+        return out
+
+    expected = [(kind, s) for s, kind in enumerate(kinds)]
+    assert run_world(body, 2, init=False, timeout=120) == [expected, expected]

@@ -74,6 +74,7 @@ def start(name: str, rank: int, world_size: int | None, options) -> Runtime:
             if world_size is None:  # a dynamic group: members join and leave as they go
                 membership = _membership.join(store, record, deadline, timeout,
                                               hosts_store(options.init_method, rank))
+                _sessions.joined(session)
                 records, job = membership.records, membership.job
             else:
                 found, job = join(store, rank, world_size, record,
@@ -119,23 +120,23 @@ def start(name: str, rank: int, world_size: int | None, options) -> Runtime:
 
 
 def _open_session(options, rank: int, world_size: int | None, deadline: float):
-    """``open_store``, then for a static group the session to join: a new one if this
-    process took part in the store's last one (``sessions.py``).  A store that fails
-    meanwhile (its host left; a new one may come up on the same address) is opened
-    again until ``deadline``.
+    """``open_store``, then the session to join: a new one if this process took part
+    in the store's last one, or that one is over (``sessions.py``).  A store that
+    fails meanwhile (its host left; a new one may come up on the same address) is
+    opened again until ``deadline``.
 
     Returns:
-        ``(store, rank, world_size, store_host, session)``; ``session`` None for a
-        dynamic group.
+        ``(store, rank, world_size, store_host, session)``.
     """
     while True:
         timeout = max(0.001, deadline - time.monotonic())
         store, rank, world_size, store_host = open_store(options.init_method, rank,
                                                          world_size, timeout)
-        if world_size is None:
-            return store, rank, world_size, store_host, None
         try:
-            store, session = _sessions.enter(store, rank, world_size, deadline)
+            if world_size is None:
+                store, session = _sessions.enter_dynamic(store, deadline)
+            else:
+                store, session = _sessions.enter(store, rank, world_size, deadline)
             return store, rank, world_size, store_host, session
         except _sessions.StoreLost as exc:
             if time.monotonic() >= deadline:

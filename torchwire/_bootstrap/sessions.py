@@ -18,6 +18,12 @@ Rank 0 starts each new session; the other ranks wait for it::
     rank k:  wait (init deadline) until session names one this process has not
              taken part in, not over and not abandoned; join it
 
+A process that took part in a dynamic group's session is done with it too; a dynamic
+member starts the next session itself when the current one holds a static group that
+is over or was this process's (``enter_dynamic``).  A worker of either kind that
+finds a running group of the other kind is refused, as before.  Sessions move on by
+compare-and-set, so two workers that start one at once start the same.
+
 A worker that waits on a store whose host then leaves opens the store again (a rank 0
 started afresh serves a new one on the same address) within its init deadline.
 
@@ -104,16 +110,18 @@ def enter(store, rank: int, world_size: int, deadline: float):
         StoreLost: the store failed (its host may have left: open it again).
         RendezvousError: rank 0 did not start a new session in time.
     """
+    def done_with(n: int) -> bool:
+        return _over(store, n, store_id) or _abandoned(store, n, rank, world_size)
+
     try:
         store_id = store.compare_set("store_id", "", secrets.token_hex(8)).decode()
         n = _current(store)
         if rank == 0:
-            if _over(store, n, store_id) or _abandoned(store, n, rank, world_size):
-                n += 1
-                store.set(_KEY, str(n))
+            while done_with(n):
+                n = _next(store, n)
             return _prefixed(store, n), (store_id, n)
         delay = 0.005
-        while _over(store, n, store_id) or _abandoned(store, n, rank, world_size):
+        while done_with(n):
             if time.monotonic() + delay >= deadline:
                 raise RendezvousError(
                     f"rank 0 did not start a new RPC session on this rendezvous store within "
@@ -127,6 +135,42 @@ def enter(store, rank: int, world_size: int, deadline: float):
     except Exception as exc:
         raise StoreLost(f"rendezvous store failed: {exc}") from exc
     return _prefixed(store, n), (store_id, n)
+
+
+def enter_dynamic(store, deadline: float):
+    """:func:`enter` for a member of a dynamic group: the current session, unless it
+    is a static group's that is over or was this process's; then the next, which any
+    member may start.  (A dynamic group's own session goes on as members come and go.)
+
+    Raises:
+        StoreLost: the store failed.
+    """
+    try:
+        store_id = store.compare_set("store_id", "", secrets.token_hex(8)).decode()
+        n = _current(store)
+        while _kind(store, n) == "static" and _over(store, n, store_id):
+            if time.monotonic() >= deadline:
+                raise RendezvousError("the rendezvous store's sessions moved on past the "
+                                      "init timeout")
+            n = _next(store, n)
+    except RendezvousError:
+        raise
+    except Exception as exc:
+        raise StoreLost(f"rendezvous store failed: {exc}") from exc
+    return _prefixed(store, n), (store_id, n)
+
+
+def _kind(store, n: int) -> str | None:
+    """"static" or "dynamic": the kind of group session ``n`` holds (None: none yet)."""
+    session = _prefixed(store, n)
+    return session.get("group").decode() if session.check(["group"]) else None
+
+
+def _next(store, n: int) -> int:
+    """Start session ``n + 1``, unless a worker already moved the store past ``n``;
+    the session current now."""
+    found = store.compare_set(_KEY, str(n) if n else "", str(n + 1)).decode()
+    return int(found) if found else 0
 
 
 def joined(session: tuple[str, int]) -> None:
