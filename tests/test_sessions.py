@@ -110,7 +110,9 @@ def test_a_worker_that_stays_joins_a_rank_0_started_afresh():
         return os.getpid()
 
     stays = start_child(worker, 1, 2, init_method)
-    first_pid, first_session, first_host = child_result(start_child(host, 0, 2, init_method))
+    first = start_child(host, 0, 2, init_method)
+    first_pid, first_session, first_host = child_result(first)
+    first[0].join(30)  # its store's port is free once the process is gone
     # a new store on the same port: session 0 of a store this worker has not used
     second_pid, second_session, second_host = child_result(start_child(host, 0, 2,
                                                                         init_method))
