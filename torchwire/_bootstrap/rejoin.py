@@ -62,8 +62,7 @@ def take_over(store, rank: int, record: dict, deadline: float) -> None:
             f"rank {rank} is already taken by worker {old.get('name')!r} of this job; a "
             f"restarted worker rejoins under its own name and rank, and {record['name']!r} "
             f"is not rank {rank}'s name")
-    unix = old.get("unix") if old.get("host") == host_identity() else None
-    if listener_alive(old["tcp"], unix, max(0.05, min(2.0, deadline - time.monotonic()))):
+    if record_alive(old, max(0.05, min(2.0, deadline - time.monotonic()))):
         raise RendezvousError(
             f"rank {rank} is already taken by worker {old['name']!r} (pid {old.get('pid')}), "
             "which is alive: only a worker whose process is gone can be replaced (stop the "
@@ -81,6 +80,13 @@ def take_over(store, rank: int, record: dict, deadline: float) -> None:
     log.warning("torchwire: %s rejoins the job as rank %d (incarnation %d; the process of "
                 "incarnation %d, pid %s, is gone)", record["name"], rank,
                 record["incarnation"], record["incarnation"] - 1, old.get("pid"))
+
+
+def record_alive(record: dict, timeout: float) -> bool:
+    """Is the worker of rendezvous ``record`` still there?  (Its listener, through its
+    Unix socket when on this host; see ``listener_alive``.)"""
+    unix = record.get("unix") if record.get("host") == host_identity() else None
+    return listener_alive(tuple(record["tcp"]), unix, timeout)
 
 
 def announce(agent, record: dict, deadline: float) -> None:
@@ -140,4 +146,4 @@ class StaticAdmission:
         return self._agent.add_member(record)
 
 
-__all__ = ["StaticAdmission", "announce", "take_over"]
+__all__ = ["StaticAdmission", "announce", "record_alive", "take_over"]

@@ -45,7 +45,7 @@ import torch.distributed as dist
 
 from .._agent.termination import OVER_KEY
 from .._base.errors import RendezvousError
-from .._wire.listener import host_identity, listener_alive
+from .rejoin import record_alive
 
 class StoreLost(RendezvousError):
     """The store failed while a worker waited for its next session: its host left
@@ -84,13 +84,8 @@ def _abandoned(store, n: int, rank: int, world_size: int) -> bool:
     present = [k for k in keys if session.check([k])]
     if not present:
         return False
-    here = host_identity()
-    for raw in session.multi_get(present):
-        record = json.loads(raw)
-        unix = record.get("unix") if record.get("host") == here else None
-        if listener_alive(tuple(record["tcp"]), unix, _PROBE_S):
-            return False
-    return True
+    return not any(record_alive(json.loads(raw), _PROBE_S)
+                   for raw in session.multi_get(present))
 
 
 def enter(store, rank: int, world_size: int, deadline: float):

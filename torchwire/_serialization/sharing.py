@@ -39,15 +39,9 @@ _DENSITY = 2  # else at most this many times the bytes of its entries
 
 
 def shares(tensors: list) -> bool:
-    """Whether two of ``tensors`` are views of one storage (empty ones excepted)."""
-    seen = set()
-    for t in tensors:
-        ptr = t.untyped_storage().data_ptr()
-        if ptr:
-            if ptr in seen:
-                return True
-            seen.add(ptr)
-    return False
+    """Whether two of ``tensors`` may be views of one storage (two empty storages
+    count as one: a false alarm costs only the closer look of :func:`share`)."""
+    return len({t.untyped_storage().data_ptr() for t in tensors}) != len(tensors)
 
 
 def share(payload: bytes, tensors: list, protocol: int,
@@ -58,8 +52,7 @@ def share(payload: bytes, tensors: list, protocol: int,
     ``spans``: entries the pickler compacted (sparse views, copied), each with the
     memory its view spans; such an entry goes as that span when another entry shares
     its storage, else as its copy."""
-    if spans is None and len({t.untyped_storage().data_ptr() for t in tensors}) \
-            == len(tensors):
+    if spans is None and not shares(tensors):
         return payload, tensors  # nearly every message: no storage twice
     spans = spans or {}
     groups: dict[int, list[int]] = {}
