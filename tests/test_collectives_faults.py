@@ -105,14 +105,17 @@ def test_a_participant_lost_before_it_takes_part_ends_all_gather_naming_it(when)
     # other two wait, or before they start (and before it ever talked to anyone, so the
     # leader learns of it only by dialling it).
     ready, waiting, killed = _ctx.Barrier(4), _ctx.Event(), _ctx.Event()
+    parked = _ctx.Event()
     killed_at = _ctx.Value("d", 0.0)
 
     def body(rank, world_size, init_method):
         _init(rank, world_size, init_method)
         ready.wait(30)
         if rank == 2:
-            # killed meanwhile (not in a wait on a shared event: a process killed in one
-            # leaves its condition waiting for it)
+            # killed meanwhile, once out of the barrier (a process killed while it holds
+            # a shared lock leaves the others waiting for it), and not in a wait on a
+            # shared event (a process killed in one leaves its condition waiting for it)
+            parked.set()
             threading.Event().wait(60)
             return None
         if when == "before_it_ever_talked":
@@ -129,6 +132,7 @@ def test_a_participant_lost_before_it_takes_part_ends_all_gather_naming_it(when)
     try:
         ready.wait(60)
         if when == "before_it_ever_talked":
+            assert parked.wait(60)
             _kill(procs, 2, killed_at)
             killed.set()
         else:

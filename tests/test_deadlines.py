@@ -46,13 +46,14 @@ def _rss_mib() -> float:
 
 def test_first_contact_with_a_frozen_peer_fails_at_the_call_deadline_then_heals():
     ready, frozen, thawed = _ctx.Barrier(3), _ctx.Event(), _ctx.Event()
-    timed, finish = _ctx.Event(), _ctx.Event()
+    timed, finish, parked = _ctx.Event(), _ctx.Event(), _ctx.Event()
 
     def body(rank, world_size, init_method):
         rpc.init_rpc(f"worker{rank}", rank=rank, world_size=world_size,
                      rpc_backend_options=options(init_method))
         if rank == 1:
             ready.wait(30)
+            parked.set()  # out of the barrier: stopped inside it, it would hold its lock
             assert finish.wait(60)
             rpc.shutdown()
             return None
@@ -81,6 +82,7 @@ def test_first_contact_with_a_frozen_peer_fails_at_the_call_deadline_then_heals(
     procs = _start(body, 2)
     try:
         ready.wait(60)
+        assert parked.wait(60)
         os.kill(procs[1][0].pid, signal.SIGSTOP)
         frozen.set()
         assert timed.wait(30)
@@ -100,13 +102,15 @@ def test_a_peer_that_stops_reading_bounds_the_callers_memory_and_spares_others()
     """Over TCP (no shared memory), 32 MiB tensors to a frozen peer: the socket fills,
     then the queue; calls fail at their deadlines, rpc_async returns by then, memory
     stays bounded, and a third worker is served at once throughout."""
-    ready, frozen = _ctx.Barrier(4), _ctx.Event()
+    ready, frozen, parked = _ctx.Barrier(4), _ctx.Event(), _ctx.Event()
 
     def body(rank, world_size, init_method):
         rpc.init_rpc(f"worker{rank}", rank=rank, world_size=world_size,
                      rpc_backend_options=options(init_method, _transports=["tcp"]))
         if rank != 0:
             ready.wait(30)
+            if rank == 2:
+                parked.set()  # out of the barrier: stopped inside it, it would hold its lock
             time.sleep(60)  # frozen (rank 2) or idle until killed
         assert rpc.rpc_sync("worker2", add, args=(1, 1)) == 2  # connected before
         assert rpc.rpc_sync("worker1", add, args=(1, 1)) == 2
@@ -134,6 +138,7 @@ def test_a_peer_that_stops_reading_bounds_the_callers_memory_and_spares_others()
     procs = _start(body, 3)
     try:
         ready.wait(60)
+        assert parked.wait(60)
         os.kill(procs[2][0].pid, signal.SIGSTOP)
         frozen.set()
         issue, bystander, late, grew = _result(procs, 0, 90)

@@ -225,7 +225,7 @@ def test_dynamic_group_takes_a_killed_member_back_under_its_name():
     init_method = f"tcp://127.0.0.1:{_free_port()}"
     ready = _ctx.Barrier(2)  # rank 0 set up, plus this process
     joined = _ctx.Barrier(4)  # every member joined, plus this process
-    killed = _ctx.Event()
+    killed, parked = _ctx.Event(), _ctx.Event()
     done = _ctx.Barrier(3)  # ranks 0, 1 and the new worker2: checks made, all may leave
     old_pid = _ctx.Value("i", 0)
 
@@ -234,6 +234,7 @@ def test_dynamic_group_takes_a_killed_member_back_under_its_name():
                      TensorPipeRpcBackendOptions(init_method=init_method, rpc_timeout=20))
         joined.wait(WAIT)
         if rank == 2:
+            parked.set()  # out of the barrier: killed inside it, it would hold its lock
             time.sleep(60)
         if rank == 1:
             assert killed.wait(WAIT)
@@ -259,6 +260,7 @@ def test_dynamic_group_takes_a_killed_member_back_under_its_name():
     try:
         joined.wait(60)
         ready.wait(60)
+        assert parked.wait(60)
         os.kill(procs[2][0].pid, signal.SIGKILL)
         procs[2][0].join(5)
         killed.set()
