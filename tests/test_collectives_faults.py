@@ -262,7 +262,7 @@ def test_a_slow_participant_that_arrives_after_the_rpc_timeout_still_completes(c
     ready, waiting = _ctx.Barrier(3), _ctx.Event()
 
     def body(rank, world_size, init_method):
-        _init(rank, world_size, init_method, rpc_timeout=_RPC_TIMEOUT)
+        _init(rank, world_size, init_method, rpc_timeout=_RPC_TIMEOUT, init_timeout=60)
         ready.wait(30)
         if rank == 2:
             assert waiting.wait(30)

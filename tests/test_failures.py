@@ -186,9 +186,17 @@ def _crash(grad):
     die("died in backward")  # a crash mid-pass
 
 
+_stalls_ended = []
+
+
 def _stall(grad):
     time.sleep(3)
+    _stalls_ended.append(True)
     return grad
+
+
+def stalls_ended():
+    return len(_stalls_ended)
 
 
 def crash_in_backward(x):
@@ -253,7 +261,7 @@ def test_a_worker_lost_in_its_part_of_a_backward_pass_fails_the_pass_naming_it(p
 def test_a_backward_pass_that_makes_no_progress_times_out_naming_the_worker():
     def body(rank, world_size, init_method):
         rpc.init_rpc(f"worker{rank}", rank=rank, world_size=world_size,
-                     rpc_backend_options=options(init_method, rpc_timeout=1))
+                     rpc_backend_options=options(init_method, rpc_timeout=1, init_timeout=60))
         if rank == 1:
             rpc.shutdown()
             return "served"
@@ -264,7 +272,8 @@ def test_a_backward_pass_that_makes_no_progress_times_out_naming_the_worker():
             with pytest.raises(torchwire.RpcTimeoutError, match="no progress.*worker1"):
                 dist_autograd.backward(cid, [y.sum()])
             timed_out = time.monotonic() - t0
-        time.sleep(2.5)  # worker1's part ends; its late report is dropped
+        # worker1's part ends; its late report is dropped
+        assert wait_until(lambda: rpc.rpc_sync("worker1", stalls_ended) == 1, 30)
         _backward_through_worker1(x)
         rpc.shutdown()
         return timed_out
@@ -310,12 +319,16 @@ def test_rank_0_death_ends_the_others_shutdown_with_an_error_when_it_hosted_the_
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
+    # rank 0 dies once the others are up: their init still reads its store
+    up = [_ctx.Event() for _ in range(3)]
 
     def body(rank, world_size, init_method):
         from _cluster import die
         rpc.init_rpc(f"worker{rank}", rank=rank, world_size=world_size,
                      rpc_backend_options=options(init_method))
+        up[rank].set()
         if rank == 0:
+            assert all(e.wait(60) for e in up)
             die("died")
         assert wait_until(lambda: not _probe_alive(0), 10)
         t0 = time.monotonic()

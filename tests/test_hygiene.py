@@ -226,7 +226,7 @@ def test_a_peer_dying_while_mapping_segments_leaves_the_survivor_clean():
         if rank == 0:
             fds0, rss0, shm0, _, _, _ = _state()
         rpc.api._barrier(["worker0", "worker1"])
-        fut = rpc.rpc_async(peer, hold, args=(big, 1.5 if rank == 1 else 30))  # runs on peer
+        fut = rpc.rpc_async(peer, hold, args=(big, 5 if rank == 1 else 30))  # runs on peer
         if rank == 1:
             from _cluster import wait_until
             # worker0's hold() has our segment mapped (leased to it); we map theirs

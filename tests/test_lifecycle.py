@@ -80,6 +80,7 @@ def test_ctrl_c_interrupts_a_future_wait_and_shutdown_inside_a_call_is_refused()
             return None
         fut = rpc.rpc_async("worker1", _held_back)
         # the SIGINT comes once this thread waits on fut: the callback sees it blocked
+        _interruptible()  # before the timer starts: a late thread must not miss it
         timer = threading.Timer(0.5, os.kill, args=(os.getpid(), signal.SIGINT))
         timer.start()
         outcome, waited = _interrupted(fut.wait)

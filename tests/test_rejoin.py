@@ -274,12 +274,15 @@ def test_dynamic_group_takes_a_killed_member_back_under_its_name():
 
 def test_a_restarted_rank_0_that_hosted_the_store_fails_with_a_clear_error():
     init_method = f"tcp://127.0.0.1:{_free_port()}"
+    up = _ctx.Event()  # rank 0 dies once rank 1 is up: its init still reads rank 0's store
 
     def body(rank, world_size, init_method):
         from _cluster import die
         _init(f"worker{rank}", rank, world_size, init_method)
         if rank == 0:
+            assert up.wait(60)
             die("died", signal.SIGKILL)
+        up.set()
         assert wait_until(lambda: not _reachable(0), 10)
         return "up"
 

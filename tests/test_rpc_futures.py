@@ -61,7 +61,7 @@ def test_default_rpc_timeout_applies():
             return time.monotonic() - t0
         return None
 
-    elapsed = run_world(body, 2, rpc_timeout=1)[0]
+    elapsed = run_world(body, 2, rpc_timeout=1, init_timeout=60)[0]
     assert 1.0 <= elapsed < 1.5
 
 

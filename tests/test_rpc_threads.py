@@ -83,12 +83,19 @@ def test_async_execution_holds_no_pool_thread(world):
 
 
 _gates: dict = {}
+_waiting: set = set()
 
 
 def wait_for_gate(key):
     """Blocks on a plain threading.Event (nothing torchwire knows of) until
     ``open_gate(key)`` runs, at most 20 s; True if it was opened."""
-    return _gates.setdefault(key, threading.Event()).wait(20)
+    gate = _gates.setdefault(key, threading.Event())
+    _waiting.add(key)
+    return gate.wait(20)
+
+
+def waits_at_gate(key):
+    return key in _waiting
 
 
 def open_gate(key):
@@ -113,7 +120,9 @@ def body_reader_runs_requests_in_place():
         time.sleep(0.002)  # pacing: each call then finds the watchdog between runs
     quick = rpc.rpc_sync("worker1", inline_stats)
     waiting = rpc.rpc_async("worker1", wait_for_gate, args=("g1",))
-    time.sleep(0.2)  # let it start (in place: it is alone on the connection)
+    # it runs in place (alone on the connection): asking whether it started is the
+    # next request, which the watchdog's hand-off lets in
+    assert wait_until(lambda: rpc.rpc_sync("worker1", waits_at_gate, args=("g1",)), 30)
     opened = rpc.rpc_sync("worker1", open_gate, args=("g1",))
     return before, quick, opened, waiting.wait(), rpc.rpc_sync("worker1", inline_stats)
 

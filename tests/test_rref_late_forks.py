@@ -90,7 +90,7 @@ def test_fork_copies_that_run_after_the_holder_gave_up_do_not_register_it():
         timeout = 0.25 if rank == 2 else 60
         rpc.init_rpc(f"worker{rank}", rank=rank, world_size=world_size,
                      rpc_backend_options=options(init_method, rpc_timeout=timeout,
-                                                 heartbeat_timeout=30))
+                                                 heartbeat_timeout=30, init_timeout=60))
         try:
             if rank == 1:
                 _hold_copies()

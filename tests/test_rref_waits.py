@@ -67,7 +67,8 @@ def test_a_request_gated_on_a_fork_the_frozen_owner_never_confirms_fails_naming_
 
     def body(rank, world_size, init_method):
         # the heartbeat would declare worker0 lost only long after the give-up
-        _start(rank, world_size, init_method, pids, rpc_timeout=0.25, heartbeat_timeout=30)
+        _start(rank, world_size, init_method, pids, rpc_timeout=0.25, heartbeat_timeout=30,
+               init_timeout=60)
         try:
             if rank == 2:  # the callee: connected to the owner before it stops
                 assert rpc.rpc_sync("worker0", _ping, timeout=10)
