@@ -22,6 +22,9 @@ running loop, so ``asyncio.gather`` and ``wait`` take it without a task each.
 One waiter (``await fut``)::
 
     PENDING --fut completes, drained on the loop-->  DONE       (task resumed)
+    PENDING --fut.cancel(), drained on the loop-->  DONE       (task resumed; the
+                                                                 await raises
+                                                                 CancelledError)
     PENDING --cancel(): the task is cancelled----->  CANCELLED  (task resumed with
                                                                  CancelledError)
 

@@ -1,10 +1,10 @@
 """Dynamic groups: ``init_rpc`` without ``world_size``; members join and leave at will.
 
-The rendezvous store holds the group (under the same prefix as a static job's
-keys; JSON, never pickles)::
+The rendezvous store holds the group (under its session's prefix, as a static
+job's keys: ``sessions.py``; JSON, never pickles)::
 
     group        "dynamic"; a static member in this store is refused, and the
-                 other way round (_rendezvous.claim_group_kind)
+                 other way round (rendezvous.claim_group_kind)
     job          the job token: the first member creates it (compare_set), the
                  others read it; secret and key as a static job's (_wire/auth.py)
     dyn/lock     the membership lock: "" when free, else its holder's

@@ -8,7 +8,7 @@ by anyone who can reach its port, and must not become a way to run code here.
 Static join protocol (``world_size`` given; every rank, in this order)::
 
     0. claim  "group"      compare_set("", "static"): a group of the other kind
-                           (dynamic, see _membership.py) in this store is an error;
+                           (dynamic, see membership.py) in this session is an error;
               "world_size" compare_set("", world_size): another size is an error
     1. claim  "rank/<r>"   add(1) returns 1: a first join; else the rank's worker
                            died and this process takes its place, or the rank is
@@ -19,10 +19,13 @@ Static join protocol (``world_size`` given; every rank, in this order)::
     4. wait for "worker/0" .. "worker/<world-1>" (init timeout); report missing ranks
     5. read all records; duplicate names, or workers that disagree on "security"
        (user secret or not, TLS or not), are an error on every rank
-    6. add(1) to "read": rank 0 keeps its store alive until every rank has read
+    6. add(1) to "read": when the join fails (step 5), rank 0 keeps its store
+                           alive until every rank has read the records, so that
+                           each one reports the same error
 
 Without ``world_size`` (argument, ``?world_size=`` or ``WORLD_SIZE``) the group is
-dynamic: workers join and leave while it runs (``_membership.py``).
+dynamic: workers join and leave while it runs (``membership.py``).  Every key above
+lives in the session's key space (``sessions.py``).
 """
 
 from __future__ import annotations

@@ -3,25 +3,31 @@
 Rank 0's process keeps the rendezvous store it hosts as long as it lives (the other
 ranks may still read it when its own ``shutdown()`` returns), so a second
 ``init_rpc`` on the same ``init_method`` finds the first session's keys there.  As
-with torch, that second ``init_rpc`` must start a new job.  Each session of a static
-group keeps its keys under a prefix of its own: the first session under the store's
-prefix itself (what a running job and its restarted workers use), session ``n`` under
-``session_<n>``.  The store's ``session`` key holds the current one (absent: 0).
+with torch, that second ``init_rpc`` must start a new job.  Each session, of a
+static or a dynamic group, keeps its keys under a prefix of its own: the first
+session under the store's prefix itself (what a running job and its restarted
+workers use), session ``n`` under ``session_<n>``.  The store's ``session`` key
+holds the current one (absent: 0).
 
 Rank 0 starts each new session; the other ranks wait for it::
 
     rank 0:  n = session; if this process took part in session n on this store,
              or session n is over ("sd/over" set: a worker reached the exit barrier
-             of its graceful shutdown), or abandoned (this rank was taken there, and
-             every other worker that published itself is gone: its listener
-             refuses), set session = n + 1 and join that
+             of its graceful shutdown), or abandoned (this rank was taken there,
+             some other worker published itself there, and every one that did
+             is gone: its listener refuses), set session = n + 1 and join that
     rank k:  wait (init deadline) until session names one this process has not
              taken part in, not over and not abandoned; join it
 
 A process that took part in a dynamic group's session is done with it too; a dynamic
 member starts the next session itself when the current one holds a static group that
 is over or was this process's (``enter_dynamic``).  A worker of either kind that
-finds a running group of the other kind is refused, as before.  Sessions move on by
+finds a session of the other kind that it may not move past is refused, as before:
+a dynamic member moves past a static session only when it is over (a graceful
+shutdown) or was this process's, and a static rank 0 past a dynamic one only when
+it was this process's.  A rank 0 whose ``init_rpc`` failed before any
+other worker published itself finds its session not abandoned: it goes back into
+it and takes its own rank over (``rejoin.py``).  Sessions move on by
 compare-and-set, so two workers that start one at once start the same.
 
 A worker that waits on a store whose host then leaves opens the store again (a rank 0
@@ -73,8 +79,9 @@ def _over(store, n: int, store_id: str) -> bool:
 
 
 def _abandoned(store, n: int, rank: int, world_size: int) -> bool:
-    """Session ``n`` is left by everyone: this rank was taken there before, and every
-    other worker that published itself there is gone (its listener refuses).  A job
+    """Session ``n`` is left by everyone: this rank was taken there before, some other
+    worker published itself there, and every one that did is gone (its listener
+    refuses).  A job
     that ended without a graceful shutdown leaves no ``sd/over``; a worker restarted
     into a running one finds some other worker alive."""
     session = _prefixed(store, n)

@@ -342,7 +342,7 @@ class _Segments:
         wait, within the sender's ``deadline`` (``time.monotonic()``).  A peer that
         keeps what it received (a parameter server) makes the waits vain: after
         ``_VAIN_MAX`` of them in a row for one connection, it is not waited for
-        again until a wait succeeds.
+        again while that connection lasts.
         """
         if in_io_thread():
             return False

@@ -36,7 +36,8 @@ writer bounds what waits and fails calls at their deadlines (``writer.py``).  A
 peer that talks is waited for briefly first (``segments.await_room``): one that
 just replied releases what it received right after, and a second large call sent
 at once would otherwise take the socket.  It may also hold much more for good (a
-parameter server keeping what it received): then the waits stop.
+parameter server keeping what it received): then, after two vain waits, they stop
+for the rest of that connection.
 """
 
 from __future__ import annotations
