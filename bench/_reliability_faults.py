@@ -134,7 +134,7 @@ def run_sigstop(lib: str, skip_note) -> dict:
         if not job.all(range(3), "armed", 60):
             return setup_failed(job)
         time.sleep(0.3)  # worker2's queue writer is idle before it is frozen
-        job.signal(2, signal.SIGSTOP)
+        job.freeze(2)
         t_stop = time.monotonic()
         job.phase(1)
         wait = CAP["slow"] + CAP["call"] + 10
@@ -201,7 +201,7 @@ def run_slowreader(lib: str, skip_note) -> dict:
         if not job.all(range(3), "armed", 60):
             return setup_failed(job)
         time.sleep(0.3)
-        job.signal(1, signal.SIGSTOP)
+        job.freeze(1)
         pid = job.pid(0)
         rss0 = rss_kib(pid) or 0
         peak = rss0

@@ -60,6 +60,20 @@ class Job:
         except ProcessLookupError:
             pass
 
+    def freeze(self, rank: int, timeout: float = 10.0) -> None:
+        """SIGSTOP ``rank`` and return once all its threads have stopped (``kill``
+        returns before they do: one woken thread stops the others when it runs)."""
+        pid = self.procs[rank].pid
+        self.signal(rank, signal.SIGSTOP)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:  # its parent hears once the whole group stopped
+            try:
+                if os.waitpid(pid, os.WNOHANG | os.WUNTRACED)[0] == pid:
+                    return
+            except ChildProcessError:
+                return  # gone
+            time.sleep(0.005)
+
     def get(self, rank: int, key: str, timeout: float):
         """The value ``rank`` reported under ``key``, or None after ``timeout`` seconds
         (at once when the worker reported an error or ended)."""
@@ -248,3 +262,4 @@ def rss_kib(pid: int):
     except OSError:
         return None
     return None
+

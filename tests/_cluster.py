@@ -57,6 +57,35 @@ def _kill(proc) -> None:
     proc.join(5)
 
 
+def _stopped(pid: int) -> bool:
+    """Is every thread of ``pid`` stopped (or gone)?"""
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except FileNotFoundError:
+        return True
+    for tid in tasks:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+        if state not in "tTZX":
+            return False
+    return True
+
+
+def freeze(pid: int, timeout: float = 10.0) -> None:
+    """SIGSTOP ``pid`` and return once every thread of it has stopped.
+
+    ``kill`` returns before the process stops: the kernel wakes one thread, which
+    stops the others once it runs, so on a loaded machine another thread may still
+    read a request and answer it meanwhile.
+    """
+    os.kill(pid, signal.SIGSTOP)
+    if not wait_until(lambda: _stopped(pid), timeout):
+        raise AssertionError(f"process {pid} did not stop within {timeout} s of SIGSTOP")
+
+
 def wait_until(cond, timeout: float = 5.0) -> bool:
     """Poll ``cond`` until it holds (True) or ``timeout`` seconds have passed (False)."""
     deadline = time.monotonic() + timeout

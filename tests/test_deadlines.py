@@ -19,7 +19,7 @@ import torch
 
 import torchwire
 import torchwire.rpc as rpc
-from _cluster import options, run_world
+from _cluster import freeze, options, run_world
 from test_failures import _reap, _result, _start
 from torchwire._wire.writer import Writer
 
@@ -83,7 +83,7 @@ def test_first_contact_with_a_frozen_peer_fails_at_the_call_deadline_then_heals(
     try:
         ready.wait(60)
         assert parked.wait(60)
-        os.kill(procs[1][0].pid, signal.SIGSTOP)
+        freeze(procs[1][0].pid)
         frozen.set()
         assert timed.wait(30)
         os.kill(procs[1][0].pid, signal.SIGCONT)
@@ -139,7 +139,7 @@ def test_a_peer_that_stops_reading_bounds_the_callers_memory_and_spares_others()
     try:
         ready.wait(60)
         assert parked.wait(60)
-        os.kill(procs[2][0].pid, signal.SIGSTOP)
+        freeze(procs[2][0].pid)
         frozen.set()
         issue, bystander, late, grew = _result(procs, 0, 90)
     finally:

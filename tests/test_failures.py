@@ -21,7 +21,7 @@ import torch
 import torchwire
 import torchwire.autograd as dist_autograd
 import torchwire.rpc as rpc
-from _cluster import _world_child, new_init_method, options, wait_until
+from _cluster import _world_child, freeze, new_init_method, options, wait_until
 from torchwire._wire import frame as F
 from torchwire._wire.auth import JobAuth, client_handshake
 from torchwire._wire.listener import listener_alive
@@ -405,7 +405,7 @@ def test_frozen_worker_times_calls_out_then_heartbeat_marks_it_unavailable():
     try:
         ready.wait(60)
         frozen_at.value = time.monotonic()
-        os.kill(procs[2][0].pid, signal.SIGSTOP)
+        freeze(procs[2][0].pid)
         frozen.set()
         timed_out, detected, new_call, shutdown0 = _result(procs, 0)
         shutdown1 = _result(procs, 1)

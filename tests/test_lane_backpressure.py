@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import torchwire.rpc as rpc
-from _cluster import run_world, wait_until
+from _cluster import freeze, run_world, wait_until
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -49,7 +49,7 @@ def test_a_frame_refused_for_a_full_queue_sends_no_lane_half():
         assert rpc.rpc_sync("worker1", _nbytes, args=(torch.ones(8 * _MIB, dtype=torch.uint8),)) \
             == 8 * _MIB  # the lane is open
         pid = rpc.rpc_sync("worker1", _pid)
-        os.kill(pid, signal.SIGSTOP)
+        freeze(pid)
         try:
             # the first fills the connection (a pool thread finishes it), the second
             # waits in the queue, the third finds the queue full until its deadline

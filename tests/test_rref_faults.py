@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import torchwire.rpc as rpc
-from _cluster import die, options, run_world, wait_until
+from _cluster import die, freeze, options, run_world, wait_until
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -121,7 +121,7 @@ def test_a_remote_call_that_runs_after_its_creator_died_leaves_no_owner_rref():
             theirs.to_here()  # confirmed: sending it on makes a fork worker2 must confirm
             marker = rpc.remote("worker0", torch.zeros, args=(1,))
             marker.to_here()  # a fork on the owner: shows when the owner released ours
-            os.kill(pids[2], signal.SIGSTOP)
+            freeze(pids[2])
             late = rpc.remote("worker0", _record, args=(theirs,))
             assert received.wait(30)
             die(("killed", late is not None), sig=signal.SIGKILL)

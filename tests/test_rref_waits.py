@@ -22,7 +22,7 @@ import pytest
 import torch
 
 import torchwire.rpc as rpc
-from _cluster import options, run_world, wait_until
+from _cluster import freeze, options, run_world, wait_until
 from torchwire import RpcTimeoutError, WorkerUnavailableError
 
 pytestmark = pytest.mark.timeout(90)
@@ -79,7 +79,7 @@ def test_a_request_gated_on_a_fork_the_frozen_owner_never_confirms_fails_naming_
             rref = rpc.remote("worker0", torch.ones, args=(2,), timeout=10)
             assert rref.to_here(timeout=10).tolist() == [1.0, 1.0]
             assert rpc.rpc_sync("worker2", _ping, timeout=10)
-            os.kill(pids[0], signal.SIGSTOP)
+            freeze(pids[0])
             try:
                 fut = rpc.rpc_async("worker2", _fetch, args=(rref,), timeout=0)
                 replied = wait_until(fut.done, 15)

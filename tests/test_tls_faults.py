@@ -18,7 +18,7 @@ import time
 import pytest
 
 import torchwire.rpc as rpc
-from _cluster import options, run_world
+from _cluster import freeze, options, run_world
 from test_auth import _capture_logs, _CreateFile, _evil_frame
 
 pytestmark = pytest.mark.timeout(90)
@@ -204,7 +204,7 @@ def test_a_write_to_a_frozen_peer_over_tls_ends_at_the_call_deadline_and_the_lin
         try:
             assert ready.wait(30)
             assert rpc.rpc_sync("worker1", _add, args=(1, 1), timeout=10) == 2  # connected
-            os.kill(pid1.value, signal.SIGSTOP)
+            freeze(pid1.value)
             try:
                 t0 = time.monotonic()
                 fut = rpc.rpc_async("worker1", _total, args=(torch.ones(16 << 20),),
