@@ -4,6 +4,7 @@ workers are fresh processes, and a worker that stays while rank 0 is started afr
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 from datetime import timedelta
@@ -170,11 +171,15 @@ def test_rank_0_can_init_again_after_a_failed_init_rpc():
 
     def host(rank, world_size, _unused):
         first = _try_init("worker0", 0, 2, init_method, rpc_timeout=2).split(":")[0]
+        warned = []
+        handler = logging.Handler(logging.WARNING)
+        handler.emit = lambda record: warned.append(record.getMessage())
+        logging.getLogger("torchwire").addHandler(handler)
         started.set()
         rpc.init_rpc("worker0", rank=0, world_size=2, rpc_backend_options=options(init_method))
         got = rpc.rpc_sync("worker1", tag, args=(1, 1))[:2]
         rpc.shutdown()
-        return first, got
+        return first, got, warned  # not "rejoins the job": no other process was rank 0
 
     def worker(rank, world_size, _unused):
         rpc.init_rpc("worker1", rank=1, world_size=2, rpc_backend_options=options(init_method))
@@ -184,7 +189,7 @@ def test_rank_0_can_init_again_after_a_failed_init_rpc():
     stays = start_child(host, 0, 2, init_method)
     assert started.wait(60)
     assert child_result(start_child(worker, 1, 2, init_method))
-    assert child_result(stays) == ("RendezvousError", (1, 1))
+    assert child_result(stays) == ("RendezvousError", (1, 1), [])
 
 
 def test_a_worker_of_another_world_size_is_refused_naming_both():

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import time
 from datetime import timedelta
 
@@ -77,6 +78,11 @@ def take_over(store, rank: int, record: dict, deadline: float) -> None:
         raise RendezvousError(
             f"another process took the place of worker {old['name']!r} (rank {rank}) at the "
             "same time; it rejoined instead of this one")
+    if old.get("pid") == os.getpid() and old.get("host") == host_identity():
+        # this process's own init_rpc failed before anyone else joined (sessions.py)
+        log.info("torchwire: %s takes rank %d again after its failed init_rpc (incarnation "
+                 "%d)", record["name"], rank, record["incarnation"])
+        return
     log.warning("torchwire: %s rejoins the job as rank %d (incarnation %d; the process of "
                 "incarnation %d, pid %s, is gone)", record["name"], rank,
                 record["incarnation"], record["incarnation"] - 1, old.get("pid"))
