@@ -161,7 +161,7 @@ def test_sigkill_fails_everything_that_depended_on_the_worker_and_nothing_else()
     print(f"pending failed after {failed0:.3f}/{failed1:.3f} s; new call {new_call * 1000:.1f} "
           f"ms; backward {backward * 1000:.1f} ms; shutdown {shutdown0:.2f}/{shutdown1:.2f} s")
     assert failed0 < 2 and failed1 < 2
-    assert new_call < 0.1 and backward < 2
+    assert new_call < 0.5 and backward < 2  # at once: not a probe (1 s) nor a handshake
     assert shutdown0 < 10 and shutdown1 < 10
 
 

@@ -74,18 +74,18 @@ def test_owner_releases_what_a_killed_creator_held_and_keeps_other_forks():
             try:
                 # three values, four forks: the creator's three and worker2's of `shared`
                 assert wait_until(lambda: _info()["num_owner_rrefs"] == 3
-                                  and _info()["num_forks"] == 4, 10), _info()
+                                  and _info()["num_forks"] == 4, 30), _info()
                 before = _info()
                 go.set()
                 # the creator's forks go; worker2's fork of `shared` stays
                 assert wait_until(lambda: _info()["num_owner_rrefs"] == 1
-                                  and _info()["num_forks"] == 1, 10), _info()
+                                  and _info()["num_forks"] == 1, 30), _info()
                 assert rpc.rpc_sync("worker2", _fetch, args=("shared",)).tolist() == [7.0] * 3
                 # `making` finishes after its creator died: nothing keeps it
-                assert wait_until(lambda: _info()["num_live_values"] == 1, 10), _info()
+                assert wait_until(lambda: _info()["num_live_values"] == 1, 30), _info()
                 assert rpc.rpc_sync("worker2", _drop, args=("shared",))
                 assert wait_until(lambda: _info()["num_owner_rrefs"] == 0
-                                  and _info()["num_live_values"] == 0, 10), _info()
+                                  and _info()["num_live_values"] == 0, 30), _info()
                 return before, _info()
             finally:
                 done.set()
@@ -128,12 +128,12 @@ def test_a_remote_call_that_runs_after_its_creator_died_leaves_no_owner_rref():
         if rank == 0:  # the owner
             try:
                 # the request is here, waiting for worker2 to confirm its argument
-                assert wait_until(lambda: _info()["num_pending_users"] == 1, 10), _info()
+                assert wait_until(lambda: _info()["num_pending_users"] == 1, 30), _info()
                 received.set()
-                assert wait_until(lambda: _info()["num_owner_rrefs"] == 0, 10), _info()
+                assert wait_until(lambda: _info()["num_owner_rrefs"] == 0, 30), _info()
                 os.kill(pids[2], signal.SIGCONT)
                 # the gate settles: confirmed (the function runs) or refused (it fails)
-                assert wait_until(lambda: _info()["num_pending_users"] == 0, 10), _info()
+                assert wait_until(lambda: _info()["num_pending_users"] == 0, 30), _info()
                 assert _made in ([], ["worker2"]), _made
                 settled = wait_until(lambda: _info()["num_owner_rrefs"] == 0
                                      and _info()["num_live_values"] == 0
