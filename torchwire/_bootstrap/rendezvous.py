@@ -19,9 +19,15 @@ Static join protocol (``world_size`` given; every rank, in this order)::
     4. wait for "worker/0" .. "worker/<world-1>" (init timeout); report missing ranks
     5. read all records; duplicate names, or workers that disagree on "security"
        (user secret or not, TLS or not), are an error on every rank
-    6. add(1) to "read": when the join fails (step 5), rank 0 keeps its store
-                           alive until every rank has read the records, so that
-                           each one reports the same error
+    6. add(1) to "read"    the rank that brings it to world_size sets "read/all"
+                           (a restarted worker adds too: it stands for one that
+                           died before reading)
+    7. rank 0, if its process hosts the store: wait for "read/all" (init deadline)
+                           before init_rpc returns, as torch's ends with a barrier:
+                           a rank 0 that exits right after init_rpc must not take
+                           the store from a rank still reading it.  When the join
+                           fails (step 5) rank 0 waits so in any case, so that every
+                           rank reports the same error
 
 Without ``world_size`` (argument, ``?world_size=`` or ``WORLD_SIZE``) the group is
 dynamic: workers join and leave while it runs (``membership.py``).  Every key above
@@ -31,6 +37,7 @@ lives in the session's key space (``sessions.py``).
 from __future__ import annotations
 
 import json
+import logging
 import os
 import secrets
 import socket
@@ -44,6 +51,7 @@ import torch.distributed as dist
 from .._base.errors import RendezvousError
 from .rejoin import take_over
 
+log = logging.getLogger("torchwire")
 PREFIX = "torchwire"
 # torch's WorkerInfo id is an int16: the largest rank a dynamic group accepts.
 MAX_RANK = 2**15 - 1
@@ -274,9 +282,10 @@ def _wait_and_read(store, keys: list[str], deadline: float) -> list[bytes]:
     return result[0]
 
 
-def join(store, rank: int, world_size: int, record: dict, timeout: float
-         ) -> tuple[list[dict], bytes]:
+def join(store, rank: int, world_size: int, record: dict, timeout: float,
+         hosts: bool = False) -> tuple[list[dict], bytes]:
     """Publish this worker and wait for everyone else (see the module docstring).
+    ``hosts``: this process hosts the store (:func:`hosts_store`).
 
     Returns:
         ``(records, job_token)`` with ``records[r]`` the record of rank ``r``.
@@ -307,13 +316,13 @@ def join(store, rank: int, world_size: int, record: dict, timeout: float
     try:
         values = _wait_and_read(store, keys, deadline)
     except _NotJoined as exc:
-        missing = []
-        for r, key in enumerate(keys[:-1]):
-            try:
-                if not store.check([key]):
-                    missing.append(r)
-            except Exception:
-                missing.append(r)
+        try:
+            missing = [r for r, key in enumerate(keys[:-1]) if not store.check([key])]
+        except Exception as gone:
+            raise RendezvousError(
+                f"the rendezvous store failed while this worker (rank {rank}) waited for the "
+                f"others to join: {gone}; the store's host (rank 0 for tcp:// and env://) "
+                "exited or cannot be reached") from exc.__cause__
         hint = ""
         if rank == 0 and len(missing) == world_size - 1 and world_size > 1:
             hint = ("; if rank 0 was restarted after a crash: the rendezvous store lived in "
@@ -325,8 +334,11 @@ def join(store, rank: int, world_size: int, record: dict, timeout: float
             f"with the same init_method and world_size{hint}") from exc.__cause__
     records = [json.loads(v) for v in values[:-1]]
     job = bytes.fromhex(values[-1].decode())
-    if claims == 1:
-        store.add("read", 1)
+    try:
+        if store.add("read", 1) == world_size:
+            store.set("read/all", "1")
+    except Exception as exc:
+        raise RendezvousError(f"rendezvous store failed: {exc}") from exc
     by_name: dict[str, list[int]] = {}
     for r in records:
         by_name.setdefault(r["name"], []).append(r["rank"])
@@ -342,7 +354,23 @@ def join(store, rank: int, world_size: int, record: dict, timeout: float
         if rank == 0:  # keep the store up until every rank has read what it needs
             wait_count(store, "read", world_size, deadline)
         raise RendezvousError(problem)
+    if hosts and claims == 1 and world_size > 1:
+        _wait_all_read(store, world_size, deadline)
     return records, job
+
+
+def _wait_all_read(store, world_size: int, deadline: float) -> None:
+    """Step 7: the store's host waits until every rank has read the records."""
+    try:
+        _wait_and_read(store, ["read/all"], deadline)
+    except _NotJoined:
+        try:
+            n = int(store.add("read", 0))
+        except Exception:
+            n = -1
+        log.warning("torchwire: %s of %d workers read the rendezvous records within the "
+                     "init timeout; init_rpc returns, and a worker that did not may fail its "
+                     "init if this process exits now", "some" if n < 0 else n, world_size)
 
 
 def security_disagreement(records: list[dict]) -> str | None:

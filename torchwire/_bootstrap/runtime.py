@@ -78,7 +78,8 @@ def start(name: str, rank: int, world_size: int | None, options) -> Runtime:
                 records, job = membership.records, membership.job
             else:
                 found, job = join(store, rank, world_size, record,
-                                  max(0.001, deadline - time.monotonic()))
+                                  max(0.001, deadline - time.monotonic()),
+                                  hosts_store(options.init_method, rank))
                 _sessions.joined(session)
                 records = [WorkerRecord.from_json(r) for r in found]
                 devices.check_all(records)  # the same data on every worker: the same error
