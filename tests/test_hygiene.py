@@ -83,8 +83,10 @@ def _rss() -> int:
 
 
 def _shm() -> set:
+    """/dev/shm's entries, less multiprocessing's semaphores ("sem.mp-"): tests that run
+    beside this one (pytest-xdist) create and remove theirs meanwhile."""
     try:
-        return set(os.listdir("/dev/shm"))
+        return {n for n in os.listdir("/dev/shm") if not n.startswith("sem.mp-")}
     except OSError:
         return set()
 
