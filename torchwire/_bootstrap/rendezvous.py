@@ -369,8 +369,8 @@ def _wait_all_read(store, world_size: int, deadline: float) -> None:
         except Exception:
             n = -1
         log.warning("torchwire: %s of %d workers read the rendezvous records within the "
-                     "init timeout; init_rpc returns, and a worker that did not may fail its "
-                     "init if this process exits now", "some" if n < 0 else n, world_size)
+                    "init timeout; init_rpc returns, and a worker that did not may fail its "
+                    "init if this process exits now", "some" if n < 0 else n, world_size)
 
 
 def security_disagreement(records: list[dict]) -> str | None:
