@@ -34,6 +34,22 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _start_with_rank_1_frozen_before_it_reads(body, port: int, init_method: str) -> list:
+    """Ranks 0 and 1 of 3; rank 1 frozen once it has published itself (it reads the
+    records only once rank 2 has published too), then rank 2."""
+    procs = [start_child(body, 0, 3, init_method), start_child(body, 1, 3, init_method)]
+    try:
+        client = dist.TCPStore("127.0.0.1", port, is_master=False,
+                               timeout=timedelta(seconds=WAIT))
+        client.wait([f"{PREFIX}/worker/1"])
+        freeze(procs[1][0].pid)
+        procs.append(start_child(body, 2, 3, init_method))
+    except BaseException:
+        _reap(procs)
+        raise
+    return procs
+
+
 def test_rank_0_exiting_right_after_init_rpc_does_not_fail_a_rank_still_reading_its_store():
     port = _free_port()
     init_method = f"tcp://127.0.0.1:{port}"
@@ -48,20 +64,12 @@ def test_rank_0_exiting_right_after_init_rpc_does_not_fail_a_rank_still_reading_
         rpc.shutdown(graceful=False)
         return "up"
 
-    procs = [start_child(body, 0, 3, init_method), start_child(body, 1, 3, init_method)]
+    procs = _start_with_rank_1_frozen_before_it_reads(body, port, init_method)
     try:
-        # rank 1 has published itself: freeze it before it can read the records, which
-        # it can do only once rank 2 has published too
-        client = dist.TCPStore("127.0.0.1", port, is_master=False,
-                               timeout=timedelta(seconds=WAIT))
-        client.wait([f"{PREFIX}/worker/1"])
-        freeze(procs[1][0].pid)
-        procs.append(start_child(body, 2, 3, init_method))
         assert child_result(procs[2], WAIT) == "up"
         # rank 0 must still be in init_rpc: before step 7 it had returned and exited by
         # now, or does so within this bound
         assert not returned.wait(2), "rank 0's init_rpc returned before rank 1 read"
-        del client
         os.kill(procs[1][0].pid, signal.SIGCONT)
         assert child_result(procs[1], WAIT) == "up"
         procs[0][0].join(WAIT)
@@ -95,3 +103,33 @@ def test_a_store_host_that_dies_during_the_join_fails_the_others_at_once_naming_
     assert error.startswith("RendezvousError: the rendezvous store failed while this worker "
                             "(rank 1) waited"), error
     assert "exited or cannot be reached" in error
+
+
+def test_rank_0_returns_at_its_init_deadline_with_a_warning_when_a_rank_never_reads():
+    from test_auth import _capture_logs
+    port = _free_port()
+    init_method = f"tcp://127.0.0.1:{port}"
+    returned, up = _ctx.Event(), [_ctx.Event() for _ in range(3)]
+
+    def body(rank, world_size, _init):
+        logs = _capture_logs()
+        rpc.init_rpc(f"worker{rank}", rank=rank, world_size=world_size,
+                     rpc_backend_options=options(init_method,
+                                                 init_timeout=3 if rank == 0 else WAIT))
+        if rank == 0:
+            returned.set()
+        up[rank].set()
+        assert all(e.wait(WAIT) for e in up)  # the store stays until all are up
+        rpc.shutdown(graceful=False)
+        return logs
+
+    procs = _start_with_rank_1_frozen_before_it_reads(body, port, init_method)
+    try:
+        assert returned.wait(WAIT), "rank 0's init_rpc did not return at its deadline"
+        os.kill(procs[1][0].pid, signal.SIGCONT)  # the store is still there: it reads
+        logs = [child_result(p, WAIT) for p in procs]
+    finally:
+        _reap(procs)
+    assert any("2 of 3 workers read the rendezvous records within the init timeout" in m
+               for m in logs[0]), logs[0]
+    assert not any("rendezvous" in m for m in logs[1] + logs[2]), logs[1:]
