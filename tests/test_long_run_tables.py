@@ -64,6 +64,31 @@ def test_retired_pool_threads_leave_the_pool():
         assert held == running <= core + 1, records
 
 
+def test_a_pool_thread_nested_in_blocking_counts_as_one_blocked_thread():
+    # A reader on a pool thread is blocked for its connection's life; when it runs a
+    # request in place that waits for a nested call, it is still one blocked thread.
+    # Counted twice, threads going idle meanwhile took themselves for core threads.
+    import threading
+    pool = _pool.WorkerPool(2, name="test-pool")
+    seen, done = [], threading.Event()
+
+    def task():
+        with pool.blocking():
+            seen.append(pool._blocked)
+            with pool.blocking():
+                seen.append(pool._blocked)
+            seen.append(pool._blocked)
+        seen.append(pool._blocked)
+        done.set()
+
+    try:
+        pool.submit(task)
+        assert done.wait(10)
+    finally:
+        pool.shutdown(5)
+    assert seen == [1, 1, 1, 0], seen
+
+
 def _timer_sizes():
     return _agent().pending._timer.sizes()
 

@@ -43,6 +43,7 @@ class WorkerPool:
         self._idle_stack: list = []  # per-thread locks of idle threads, held while idle
         self._threads = 0
         self._blocked = 0
+        self._depth = threading.local()  # .n: the calling thread's nesting in blocking()
         self._stopping = False
         self._all: set[threading.Thread] = set()  # running threads (each leaves on exit)
         self._seq = 0
@@ -83,7 +84,22 @@ class WorkerPool:
 
     @contextlib.contextmanager
     def blocking(self):
-        """Declare that the calling pool thread is about to block on a remote result."""
+        """Declare that the calling pool thread is about to block on a remote result.
+
+        A thread counts once however deep it nests: a reader on a pool thread (blocked
+        for the connection's life) that runs a request in place, hands its reading off
+        and then waits for a nested call is one blocked thread.  Counted twice, the
+        threads going idle meanwhile saw fewer runnable threads than there were, took
+        themselves for core threads, and never retired."""
+        local = self._depth
+        depth = getattr(local, "n", 0)
+        local.n = depth + 1
+        if depth:
+            try:
+                yield
+            finally:
+                local.n = depth
+            return
         with self._lock:
             self._blocked += 1
             if self._queue:
@@ -91,6 +107,7 @@ class WorkerPool:
         try:
             yield
         finally:
+            local.n = 0
             with self._lock:
                 self._blocked -= 1
 
