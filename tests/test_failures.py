@@ -40,6 +40,15 @@ def nap(seconds):
     return seconds
 
 
+_arrived = None  # a shared counter, set before the workers fork
+
+
+def arrive_and_nap(seconds):
+    with _arrived.get_lock():
+        _arrived.value += 1
+    return nap(seconds)
+
+
 _held: dict = {}
 
 
@@ -85,16 +94,21 @@ def test_sigkill_fails_everything_that_depended_on_the_worker_and_nothing_else()
     ready = _ctx.Barrier(3)  # ranks 0 and 1 set up, plus this process
     killed_at = _ctx.Value("d", 0.0)
     killed = _ctx.Event()
+    global _arrived
+    _arrived = _ctx.Value("i", 0)  # calls that reached their callee
 
     def body(rank, world_size, init_method):
         rpc.init_rpc(f"worker{rank}", rank=rank, world_size=world_size,
-                     rpc_backend_options=options(init_method, rpc_timeout=30))
+                     rpc_backend_options=options(init_method, rpc_timeout=30,
+                                                 num_worker_threads=32))  # all 25 naps run
         if rank == 2:  # the victim: serving, and calling worker1 (its incoming connection)
-            threading.Thread(target=lambda: rpc.rpc_sync("worker1", nap, args=(5,)),
+            threading.Thread(target=lambda: rpc.rpc_sync("worker1", arrive_and_nap,
+                                                         args=(5,)),
                              daemon=True).start()
             time.sleep(60)
         if rank == 1:
-            pending = [rpc.rpc_async("worker2", nap, args=(30,)) for _ in range(5)]
+            pending = [rpc.rpc_async("worker2", arrive_and_nap, args=(30,))
+                       for _ in range(5)]
             ready.wait(30)
             assert killed.wait(30)
             for f in pending:
@@ -114,7 +128,8 @@ def test_sigkill_fails_everything_that_depended_on_the_worker_and_nothing_else()
         with dist_autograd.context() as cid:
             x = torch.ones(2, requires_grad=True)
             y = rpc.rpc_sync("worker2", torch.mul, args=(x, 2))
-            pending = [rpc.rpc_async("worker2", nap, args=(30,)) for _ in range(20)]
+            pending = [rpc.rpc_async("worker2", arrive_and_nap, args=(30,))
+                       for _ in range(20)]
             ready.wait(30)
             assert killed.wait(30)
             errors = []
@@ -150,7 +165,7 @@ def test_sigkill_fails_everything_that_depended_on_the_worker_and_nothing_else()
     procs = _start(body, 3)
     try:
         ready.wait(60)
-        time.sleep(0.2)  # let the calls reach worker2
+        assert wait_until(lambda: _arrived.value == 26, timeout=30), _arrived.value
         killed_at.value = time.monotonic()
         os.kill(procs[2][0].pid, signal.SIGKILL)
         killed.set()

@@ -42,6 +42,12 @@ def _rss() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
+def _rrefs_held() -> int:
+    """Values this worker owns plus forks and user RRefs it still counts."""
+    info = rpc.api._rref_context_get_debug_info()
+    return sum(int(info[k]) for k in ("num_live_values", "num_forks", "num_user_rrefs"))
+
+
 def _usage():
     return _rss(), _fds()
 
@@ -108,7 +114,10 @@ def soak(calls: int = 1_000_000, cycles: int = 100_000, samples: int = 10,
             del rref
             if (i + 1) % step == 0 and i + 1 < cycles:
                 checkpoint("rrefs", i + 1)
-        time.sleep(0.5)  # the last deletions reach their owners
+        deadline = time.monotonic() + 30  # the last deletions reach their owners
+        while _rrefs_held() + sum(rpc.rpc_sync(p, _rrefs_held) for p in peers):
+            assert time.monotonic() < deadline, "RRef deletions did not settle in 30 s"
+            time.sleep(0.01)
         checkpoint("rrefs", cycles)
         marks["t_rrefs"] = time.monotonic() - t0
         return marks
