@@ -216,6 +216,39 @@ def test_an_echoed_segment_is_waited_for_not_replaced():
     assert 1 <= vain <= shm._VAIN_MAX, vain  # waited in vain, then no more
 
 
+def checksums(named):
+    """Per tensor of a state dict: its sum (a callee that reads, then drops, them all)."""
+    return {k: int(v.sum()) for k, v in named.items()}
+
+
+def test_a_state_dict_of_many_large_tensors_reuses_its_segments():
+    """A message with more tensors over the threshold than a small cache of free
+    segments holds (a state dict: one segment each) finds its segments again each
+    time it is sent, rather than creating and faulting in most of them anew."""
+    n = 40
+
+    def body(rank, world_size):
+        if rank:
+            return None
+        base = {f"layer{i}.weight": make(torch.int32, 4096 + 512 * i, 300 + i) for i in range(n)}
+        expected = {k: int(v.sum()) for k, v in base.items()}
+        sent = {k: v.clone() for k, v in base.items()}
+        assert rpc.rpc_sync("worker1", checksums, args=(sent,)) == expected  # warm-up
+        mine0 = shm.stats()
+        right = []
+        for _ in range(15):
+            sent = {k: v.clone() for k, v in base.items()}  # fresh tensors each step
+            right.append(rpc.rpc_sync("worker1", checksums, args=(sent,)) == expected)
+        return right, grew(mine0, shm.stats())
+
+    right, moved = run_world(body, 2, _channel_threshold=SMALL)[0]
+    assert right == [True] * 15
+    assert moved["copies"] == 15 * n, moved
+    # a send may race the releases of the one before it, so a second set of segments
+    # may be made; without reuse, nearly every copy would need a new segment
+    assert moved["created"] <= 2 * n, moved
+
+
 def test_a_segment_leased_twice_is_not_reused_until_both_leases_end():
     """(e) continued: a segment the callee maps twice (as received, and as sent on again
     by the caller in its own segment) stays out of reuse when one mapping goes."""

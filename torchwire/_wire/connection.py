@@ -163,7 +163,7 @@ class Connection:
         for ch in self.channels.send:
             if big < ch.min_size or not ch.begin(self):
                 continue
-            frame = OutFrame(flags, tensors, deadline)
+            frame = OutFrame(flags, tensors, deadline, sum(lens))
             fds = Fds(frame.fds)  # (closing it twice is safe)
             try:
                 for t, n in zip(tensors, lens):

@@ -64,11 +64,13 @@ class OutFrame:
     sender's ``deadline`` (``time.monotonic()``, None: none), which bounds any wait
     of a channel's."""
 
-    __slots__ = ("flags", "tensors", "lens", "parts", "fds", "state", "deadline")
+    __slots__ = ("flags", "tensors", "nbytes", "lens", "parts", "fds", "state", "deadline")
 
-    def __init__(self, flags: int, tensors, deadline: float | None = None) -> None:
+    def __init__(self, flags: int, tensors, deadline: float | None = None,
+                 nbytes: int = 0) -> None:
         self.flags = flags
         self.tensors = tensors
+        self.nbytes = nbytes  # of all its tensors
         self.deadline = deadline
         self.lens: list[int] = []
         self.parts: list = []

@@ -25,7 +25,8 @@ MADV_POPULATE_WRITE = 23  # Linux 5.14
 # memory meanwhile (a thread starting, malloc growing) waits for it, and every
 # thread that faults waits behind that one.
 POPULATE_CHUNK = 32 << 20
-_COPY_SPLIT = 8 << 20  # copies larger than this are split across threads
+COPY_PART = 8 << 20  # the smallest part of a copy split across threads
+COPY_PART_BULK = 1 << 20  # the same for the copies of a bulk transfer (copy(bulk=True))
 
 _libc = None
 if sys.platform.startswith("linux") and hasattr(os, "memfd_create"):
@@ -93,11 +94,12 @@ _copier: ThreadPoolExecutor | None = None
 _copier_lock = threading.Lock()
 
 
-def copy(dst: int, src: int, n: int) -> None:
+def copy(dst: int, src: int, n: int, bulk: bool = False) -> None:
     """memcpy ``n`` bytes, large ones on every core (memory bandwidth scales with
-    threads on the machines measured; ctypes releases the GIL)."""
+    threads on the machines measured; ctypes releases the GIL).  ``bulk``: the copy
+    is one of a transfer large enough that splitting smaller copies pays too."""
     global _copier
-    parts = min(os.cpu_count() or 1, max(1, n // _COPY_SPLIT))
+    parts = min(os.cpu_count() or 1, max(1, n // (COPY_PART_BULK if bulk else COPY_PART)))
     if parts <= 1:
         ctypes.memmove(dst, src, n)
         return

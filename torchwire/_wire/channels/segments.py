@@ -70,7 +70,7 @@ HOW_BACK = 2  # a segment of the receiver's own, returned unmodified
 
 PAGE = M.PAGE
 _SEALS = getattr(fcntl, "F_SEAL_SHRINK", 2) | getattr(fcntl, "F_SEAL_GROW", 4)
-MAX_FREE = 8  # released segments kept for reuse (oldest closed first)
+MAX_FREE = 128  # released segments kept for reuse (oldest closed first)
 _WAIT_MIN = 16 << 20  # below this, a new segment costs less than waiting for a release
 _VAIN_MAX = 2  # waits for a peer's releases that may time out before it is not waited for
 _WAIT_MAX_S = 0.5  # the longest wait for a release
@@ -140,8 +140,9 @@ class _Segments:
 
     # ------------------------------------------------------------ sending
 
-    def export(self, t: torch.Tensor, n: int, conn):
-        """How to send ``n`` bytes at ``t.data_ptr()`` to ``conn``'s peer.
+    def export(self, t: torch.Tensor, n: int, conn, bulk: bool = False):
+        """How to send ``n`` bytes at ``t.data_ptr()`` to ``conn``'s peer (``bulk``:
+        part of a large transfer, see :func:`memory.copy`).
 
         Returns:
             ``(seg_id, seg_size, offset, how, fd)``; ``fd`` (only for ``HOW_FD``)
@@ -163,7 +164,7 @@ class _Segments:
                     return seg.id, seg.size, offset, HOW_FD, os.dup(seg.fd)
         seg = self._acquire(n)
         try:
-            M.copy(seg.addr, addr, n)
+            M.copy(seg.addr, addr, n, bulk)
         except BaseException:
             with self.lock:
                 self._settle(seg)
