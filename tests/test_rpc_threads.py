@@ -312,3 +312,43 @@ def test_requests_use_this_workers_share_of_the_hosts_cpus():
     mkl = torch.backends.mkl.is_available()
     assert {(n, m) for n, m, _ in served} == {(share, share if mkl else None)}, served
     assert large == ((2, 2 if mkl else None), 1 << 20)
+
+
+def served_settings_and_result(large):
+    """The served thread's (torch, MKL) intra-op counts, and a fresh result of 4 MiB
+    (``large``) or of 4 bytes."""
+    return served_thread_settings()[:2], torch.zeros((1 << 20) if large else 1)
+
+
+def test_a_function_whose_last_reply_was_large_runs_with_torchs_count():
+    # The request is small, but the work that makes a large reply is not (a parameter
+    # server's pull): once a function replied with 4 MiB or more, its next calls run
+    # with torch's count; once it replied small again, they are back at the share.
+    def body(rank, world_size, init_method):
+        import os
+
+        from _cluster import options
+        from torchwire._base import intraop as _intraop
+        cpus = len(os.sched_getaffinity(0))
+        torch.set_num_threads(cpus)  # more than a share of the host's CPUs (cpus // 2)
+        rpc.init_rpc(f"worker{rank}", rank=rank, world_size=world_size,
+                     rpc_backend_options=options(init_method))
+        try:
+            if rank != 0:
+                return None
+            seen = []
+            for large in (True, True, True, False, False):
+                settings, result = rpc.rpc_sync("worker1", served_settings_and_result,
+                                                args=(large,))
+                assert result.numel() == ((1 << 20) if large else 1)
+                seen.append(settings[0])
+            return seen, cpus, _intraop._omp is not None
+        finally:
+            rpc.shutdown()
+
+    seen, cpus, omp = run_world(body, 2, init=False)[0]
+    if not omp or cpus < 2:
+        pytest.skip("needs OpenMP intra-op threads and 2 CPUs")
+    share = cpus // 2
+    # first call at the share; then torch's count while the last reply was large
+    assert seen == [share, cpus, cpus, cpus, share], seen

@@ -80,6 +80,7 @@ class Server:
         self._counters = agent.counters
         self._desc = repr(agent.info)
         self.async_active = 0  # @async_execution functions whose future is not done
+        self.large_replies = _intraop.LargeReplies()
         self.inline = InlineScheduler(agent.pool.submit, agent.links.spawn_reader)
 
     def __repr__(self) -> str:
@@ -195,6 +196,8 @@ class Server:
         # in a job trace, the function's run is a range of it (profiling.py)
         span = profiling.serve_begin(func, args, self._agent.name_of(conn.peer_rank),
                                      self._agent.name) if profiling.traced else None
+        key = _intraop.work_key(func)
+        saved = self.large_replies.full_for(key)
         try:
             if getattr(func, ASYNC_ATTR, None) is not None:
                 fut = func(*(args or ()), **(kwargs or {}))
@@ -226,10 +229,12 @@ class Server:
         finally:
             if span is not None:
                 profiling.serve_end(span)
+            if saved is not None:
+                _intraop.restore(saved)
         # Release the arguments before replying: an RRef among them sends its
         # deletion before the caller learns the call is over.
         del func, args, kwargs
-        self.reply_value(conn, rid, result)
+        self.large_replies.learn(key, self.reply_value(conn, rid, result))
 
     def _coroutine_done(self, conn, rid: int, task) -> None:
         """Loop thread: reply with what the task of an ``async def`` call ended with."""
@@ -302,10 +307,11 @@ class Server:
         counters.count_reply_in_place()
         return True
 
-    def reply_value(self, conn, rid: int, value) -> None:
-        """Send ``value`` as the reply to request ``rid`` (nothing for a one-way one)."""
+    def reply_value(self, conn, rid: int, value) -> int:
+        """Send ``value`` as the reply to request ``rid`` (nothing for a one-way one);
+        its size in bytes (0 if none was made)."""
         if rid == 0:
-            return
+            return 0
         flags, sent = _F_PLAIN, None
         try:
             plain = ser.plain_reply(value)
@@ -317,10 +323,10 @@ class Server:
         except SerializationError as exc:
             self.reply_error(conn, rid, SerializationError(
                 f"the return value could not be serialized: {exc}"), "")
-            return
+            return 0
         except BaseException as exc:  # its own error (an RRef whose owner is lost) or a bug
             self.reply_error(conn, rid, exc, traceback.format_exc())
-            return
+            return 0
         agent = self._agent
         size = len(payload)
         for t in tensors:
@@ -332,7 +338,7 @@ class Server:
                 f"a reply of {size} bytes to {agent.name_of(conn.peer_rank)} exceeds "
                 f"max_message_size {agent.limits.of(conn.peer_rank)} (the smaller of its "
                 "caller's and this worker's)"), "")
-            return
+            return 0
         c = self._counters
         with c.lock:  # before the write: the caller may go on before it returns
             c.replies += 1
@@ -348,6 +354,7 @@ class Server:
         finally:
             if saved is not None:
                 _intraop.restore(saved)
+        return size
 
     def reply_error(self, conn, rid: int, exc: BaseException, tb: str) -> None:
         """Send ``exc`` as the reply to request ``rid`` (logged for a one-way one)."""

@@ -13,6 +13,10 @@ OpenMP and MKL counts are its own; the user's threads keep torch's setting):
 * A request that carries large tensors (:data:`FULL_MIN_BYTES`), and a large reply,
   run with torch's own count (:func:`full_for`): work on that much memory outlasts
   waking a team, and in a call the caller usually waits, its CPUs idle.
+* A function whose last reply carried that much (a parameter server's ``get``, a
+  function returning fresh activations) runs with torch's own count too
+  (:class:`LargeReplies`): the request that asks for it is small, but the work that
+  makes the reply is not, and its caller waits for it.
 * A local pass of the distributed backward over few elements runs on one thread
   (:func:`serial_for`, :func:`restore`): each parallel region wakes the thread's
   OpenMP team, and on tensors this small the wake-up costs more than the split
@@ -26,6 +30,7 @@ from __future__ import annotations
 import ctypes
 import os
 import threading
+import types
 
 import torch
 
@@ -180,3 +185,47 @@ def init_thread() -> None:
     200), and it changes no setting.
     """
     torch.get_num_threads()
+
+
+_KEYED_TYPES = (types.BuiltinFunctionType, types.MethodDescriptorType)
+
+
+def work_key(func):
+    """What identifies a served function across calls: its code object (equal for the
+    copies a by-value closure arrives as each call), a builtin (``torch.randn``)
+    itself, or None (a ``partial``, a callable object: not remembered, so that
+    nothing it holds is kept alive)."""
+    code = getattr(func, "__code__", None)
+    if code is not None:
+        return code
+    return func if isinstance(func, _KEYED_TYPES) else None
+
+
+class LargeReplies:
+    """The served functions whose last reply carried :data:`FULL_MIN_BYTES` or more:
+    their next calls run with torch's own intra-op count (:meth:`full_for`).
+
+    Learned from each plain reply (not ``@async_execution`` or ``async def`` ones);
+    bounded, and cleared when full."""
+
+    MAX = 256
+
+    def __init__(self) -> None:
+        self._keys: set = set()
+
+    def full_for(self, key) -> tuple | None:
+        """:func:`full_for` a large reply if ``key``'s last reply was one."""
+        if key is None or key not in self._keys:
+            return None
+        return full_for(FULL_MIN_BYTES)
+
+    def learn(self, key, nbytes: int) -> None:
+        """``key``'s function just replied with ``nbytes`` of payload and tensors."""
+        if key is None:
+            return
+        if nbytes >= FULL_MIN_BYTES:
+            if len(self._keys) >= self.MAX:
+                self._keys.clear()
+            self._keys.add(key)
+        else:
+            self._keys.discard(key)
