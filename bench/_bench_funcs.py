@@ -82,6 +82,35 @@ def fresh_mul2(x):
     return x * 2
 
 
+# --------------------------------------------------------------------------- state dicts
+# A state dict as a parameter server or a checkpointing worker moves it: 250 tensors of
+# ResNet-like sizes (convolutions of 64..512 channels, each with 4 per-channel vectors),
+# 173 MiB in all.  Pulled: the callee returns a fresh copy of the one it keeps.
+# Pushed: the callee reads every tensor it received.
+
+_state_dict: dict = {}
+
+
+def state_dict_make():
+    import torch
+    g = torch.Generator().manual_seed(0)
+    shapes = []
+    for i in range(50):
+        c = 64 * (1 + i % 8)
+        shapes += [(c, c, 3, 3), (c,), (c,), (c,), (c,)]
+    return {f"layer{i}": torch.randn(*s, generator=g) for i, s in enumerate(shapes)}
+
+
+def state_dict_pull():
+    if not _state_dict:
+        _state_dict.update(state_dict_make())
+    return {k: v.clone() for k, v in _state_dict.items()}
+
+
+def state_dict_push(sd):
+    return sum(float(v.sum()) for v in sd.values())
+
+
 # --------------------------------------------------------------------------- parameter server
 # One server holds the model; trainers pull its parameters, compute a gradient on a
 # batch of their own, and push it.  Module state lives in the server process only.

@@ -96,6 +96,12 @@ def metric_specs() -> tuple:
                               f"{_pretty(label)}, callee returns `{expr}`, caller reads it, "
                               "network channel forced (TCP)", "ms", False,
                               ("<=", 0.5) if big else None, "round"))
+    for prefix, where in (("", "same host"), ("net_", "network channel forced (TCP)")):
+        specs.append(Spec(f"{prefix}sd_pull_ms", "state dict pull: 250 tensors, 173 MiB "
+                          "(ResNet-like sizes), callee returns a fresh copy, caller reads "
+                          f"each, {where}", "ms", False, None, "round"))
+        specs.append(Spec(f"{prefix}sd_push_ms", "state dict push: the same as fresh "
+                          f"copies, callee reads each, {where}", "ms", False, None, "round"))
     for label, _ in ECHO_SIZES:
         target = (">=", 10.0) if label == "256MiB" else None
         specs.append(Spec(f"echo_{label}_GBps", f"tensor echo by reference {_pretty(label)} "

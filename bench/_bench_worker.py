@@ -323,6 +323,34 @@ def _fresh_sweep(rpc, cfg, q, prefix):
                 metric(f"floor_{op}_{label}_ms", floor, iters=iters)
                 metric(f"fresh_{op}_{label}_over_floor", med / floor)
         del x
+    _state_dict_rows(rpc, cfg, metric, prefix)
+
+
+def _state_dict_rows(rpc, cfg, metric, prefix):
+    """A 250-tensor, 173 MiB state dict pulled (the callee returns a fresh copy; the
+    caller reads every tensor) and pushed (fresh copies; the callee reads every one)."""
+    import _bench_funcs
+    sd = _bench_funcs.state_dict_make()
+    expected = {k: v.sum().item() for k, v in sd.items()}
+    for name in ("pull", "push"):
+        times = []
+        for i in range(cfg["sd_iters"] + 1):  # the first, checked, is a warm-up
+            t0 = time.perf_counter()
+            if name == "pull":
+                got = rpc.rpc_sync("worker1", _bench_funcs.state_dict_pull)
+                sums = {k: v.sum().item() for k, v in got.items()}
+                del got
+            else:
+                fresh = {k: v.clone() for k, v in sd.items()}
+                total = rpc.rpc_sync("worker1", _bench_funcs.state_dict_push, args=(fresh,))
+                del fresh
+            if i:
+                times.append(time.perf_counter() - t0)
+            elif (sums != expected if name == "pull"  # (a sum's rounding: its threads)
+                  else abs(total - sum(expected.values())) > 1.0):
+                raise AssertionError(f"state dict {name} returned a wrong value")
+        metric(f"{prefix}sd_{name}_ms", _median(times) * 1e3, iters=len(times),
+               times_ms=[round(t * 1e3, 2) for t in times])
 
 
 def _echo_sweep(rpc, cfg, q, sizes, prefix):

@@ -59,6 +59,7 @@ def make_cfg(quick: bool) -> dict:
         "echo_iters": {"1KiB": 1000, "1MiB": 200, "16MiB": 40, "64MiB": 12, "256MiB": 3,
                        "1GiB": 2},
         "fresh_iters": {"1MiB": 100, "16MiB": 20, "64MiB": 8, "256MiB": 5},
+        "sd_iters": 8,
         "rpc_timeout": 120,
         "il_blocks": 8, "il_block": 500, "il_warmup": 100,
         "il_mp_steps": 200, "il_mp_warmup": 30,
@@ -72,6 +73,7 @@ def make_cfg(quick: bool) -> dict:
             "echo_iters": {"1KiB": 100, "1MiB": 20, "16MiB": 5, "64MiB": 3, "256MiB": 2,
                            "1GiB": 1},
             "fresh_iters": {"1MiB": 20, "16MiB": 5, "64MiB": 3, "256MiB": 3},
+            "sd_iters": 3,
             "il_blocks": 2, "il_block": 150, "il_warmup": 50,
             "il_mp_steps": 60, "il_mp_warmup": 20,
             "ps_steps": 10, "ps_warmup": 3,
@@ -153,6 +155,11 @@ def _how_measured(cfg, libs, settings, rounds) -> list:
         "The **floor** of a row is measured in the caller's process right after it: "
         "the callee's own op on the same tensor plus one copy of its result into memory "
         "already faulted in; the ratio of the round trip to its floor is taken per round.",
+        "- **State dict** rows: 250 float32 tensors of ResNet-like sizes (50 convolutions "
+        "of 64–512 channels, 3×3, each with 4 per-channel vectors; 173 MiB). Pull: the "
+        "callee returns a fresh copy of the one it keeps and the caller reads every "
+        "tensor; push: the caller sends fresh copies and the callee reads every tensor. "
+        f"1 checked warm-up, then {cfg['sd_iters']} calls; median.",
         "- **Tensor echo by reference**: the callee returns the very tensor it received (a "
         "best case: torchwire sends its shared-memory buffer back without a copy); "
         "bandwidth = 2 × bytes / median call time (1 warm-up call, then per size: "
