@@ -320,6 +320,16 @@ def served_settings_and_result(large):
     return served_thread_settings()[:2], torch.zeros((1 << 20) if large else 1)
 
 
+class _Holder:
+    """An object served through RRef proxies: each method's calls are learned apart."""
+
+    def big(self):
+        return served_settings_and_result(True)
+
+    def small(self):
+        return served_settings_and_result(False)
+
+
 def test_a_function_whose_last_reply_was_large_runs_with_torchs_count():
     # The request is small, but the work that makes a large reply is not (a parameter
     # server's pull): once a function replied with 4 MiB or more, its next calls run
@@ -342,13 +352,18 @@ def test_a_function_whose_last_reply_was_large_runs_with_torchs_count():
                                                 args=(large,))
                 assert result.numel() == ((1 << 20) if large else 1)
                 seen.append(settings[0])
-            return seen, cpus, _intraop._omp is not None
+            # through an RRef proxy, each method by its own last reply
+            holder = rpc.remote("worker1", _Holder)
+            proxied = [getattr(holder.rpc_sync(), m)()[0][0]
+                       for m in ("big", "big", "small", "big", "small")]
+            return seen, proxied, cpus, _intraop._omp is not None
         finally:
             rpc.shutdown()
 
-    seen, cpus, omp = run_world(body, 2, init=False)[0]
+    seen, proxied, cpus, omp = run_world(body, 2, init=False)[0]
     if not omp or cpus < 2:
         pytest.skip("needs OpenMP intra-op threads and 2 CPUs")
     share = cpus // 2
     # first call at the share; then torch's count while the last reply was large
     assert seen == [share, cpus, cpus, cpus, share], seen
+    assert proxied == [share, cpus, share, cpus, share], proxied

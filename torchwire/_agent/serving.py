@@ -196,7 +196,7 @@ class Server:
         # in a job trace, the function's run is a range of it (profiling.py)
         span = profiling.serve_begin(func, args, self._agent.name_of(conn.peer_rank),
                                      self._agent.name) if profiling.traced else None
-        key = _intraop.work_key(func)
+        key = _intraop.work_key(func, args)
         saved = self.large_replies.full_for(key)
         try:
             if getattr(func, ASYNC_ATTR, None) is not None:

@@ -190,14 +190,28 @@ def init_thread() -> None:
 _KEYED_TYPES = (types.BuiltinFunctionType, types.MethodDescriptorType)
 
 
-def work_key(func):
+_named_by_arg: dict = {}  # code of a dispatching function -> the argument naming the work
+
+
+def name_work_by_arg(func, index: int) -> None:
+    """``func`` dispatches to the work its argument ``index`` names (an RRef proxy's
+    method name): :func:`work_key` tells its calls apart by that argument."""
+    _named_by_arg[func.__code__] = index
+
+
+def work_key(func, args):
     """What identifies a served function across calls: its code object (equal for the
-    copies a by-value closure arrives as each call), a builtin (``torch.randn``)
-    itself, or None (a ``partial``, a callable object: not remembered, so that
-    nothing it holds is kept alive)."""
+    copies a by-value closure arrives as each call; with the naming argument for a
+    dispatcher, :func:`name_work_by_arg`), a builtin (``torch.randn``) itself, or None
+    (a ``partial``, a callable object: not remembered, so that nothing it holds is kept
+    alive)."""
     code = getattr(func, "__code__", None)
     if code is not None:
-        return code
+        index = _named_by_arg.get(code)
+        if index is None:
+            return code
+        name = args[index] if args is not None and len(args) > index else None
+        return (code, name) if isinstance(name, str) else None
     return func if isinstance(func, _KEYED_TYPES) else None
 
 

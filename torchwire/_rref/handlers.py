@@ -16,6 +16,7 @@ from .. import _serialization as ser
 from .._agent import profiling
 from .._agent.future import Deferred, Future, add_done_callback
 from .._agent.runtime import require_agent
+from .._base import intraop as _intraop
 from .._base.asyncexec import ASYNC_ATTR, check_future, is_async
 from .._base.errors import RRefError
 from .records import ControlOp, Entry, context
@@ -170,6 +171,7 @@ def proxy_invoke(rref, name: str, args, kwargs):
 
 
 setattr(proxy_invoke, profiling.PROFILE_AS, (None, 1))  # named after the method
+_intraop.name_work_by_arg(proxy_invoke, 1)  # its intra-op threads: the method's own
 
 
 def _is_async_method(value, name: str) -> bool:
