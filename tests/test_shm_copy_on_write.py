@@ -224,7 +224,8 @@ def checksums(named):
 def test_a_state_dict_of_many_large_tensors_reuses_its_segments():
     """A message with more tensors over the threshold than a small cache of free
     segments holds (a state dict: one segment each) finds its segments again each
-    time it is sent, rather than creating and faulting in most of them anew."""
+    time it is sent, rather than creating and faulting in most of them anew (with a
+    cache of 8: 32 new segments a send)."""
     n = 40
 
     def body(rank, world_size):
@@ -235,18 +236,19 @@ def test_a_state_dict_of_many_large_tensors_reuses_its_segments():
         sent = {k: v.clone() for k, v in base.items()}
         assert rpc.rpc_sync("worker1", checksums, args=(sent,)) == expected  # warm-up
         mine0 = shm.stats()
-        right = []
+        right, settled = [], []
         for _ in range(15):
+            # the last message's segments are back (its releases follow the reply)
+            settled.append(wait_for(lambda: shm.stats()["leased"] == 0))
             sent = {k: v.clone() for k, v in base.items()}  # fresh tensors each step
             right.append(rpc.rpc_sync("worker1", checksums, args=(sent,)) == expected)
-        return right, grew(mine0, shm.stats())
+        return right, settled, grew(mine0, shm.stats())
 
-    right, moved = run_world(body, 2, _channel_threshold=SMALL)[0]
-    assert right == [True] * 15
+    right, settled, moved = run_world(body, 2, _channel_threshold=SMALL)[0]
+    assert right == [True] * 15 and settled == [True] * 15
     assert moved["copies"] == 15 * n, moved
-    # a send may race the releases of the one before it, so a second set of segments
-    # may be made; without reuse, nearly every copy would need a new segment
-    assert moved["created"] <= 2 * n, moved
+    # every send finds the segments of the one before it: none is made anew
+    assert moved["created"] == 0 and moved["reused"] == 15 * n, moved
 
 
 def test_a_segment_leased_twice_is_not_reused_until_both_leases_end():
