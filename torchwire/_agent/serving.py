@@ -234,7 +234,7 @@ class Server:
         # Release the arguments before replying: an RRef among them sends its
         # deletion before the caller learns the call is over.
         del func, args, kwargs
-        self.large_replies.learn(key, self.reply_value(conn, rid, result))
+        self.reply_value(conn, rid, result, key)
 
     def _coroutine_done(self, conn, rid: int, task) -> None:
         """Loop thread: reply with what the task of an ``async def`` call ended with."""
@@ -307,11 +307,12 @@ class Server:
         counters.count_reply_in_place()
         return True
 
-    def reply_value(self, conn, rid: int, value) -> int:
+    def reply_value(self, conn, rid: int, value, key=None) -> None:
         """Send ``value`` as the reply to request ``rid`` (nothing for a one-way one);
-        its size in bytes (0 if none was made)."""
+        ``key``: the work key of the function that made it, whose calls learn its size
+        (before it is sent: the caller's next call may arrive at once)."""
         if rid == 0:
-            return 0
+            return
         flags, sent = _F_PLAIN, None
         try:
             plain = ser.plain_reply(value)
@@ -323,10 +324,10 @@ class Server:
         except SerializationError as exc:
             self.reply_error(conn, rid, SerializationError(
                 f"the return value could not be serialized: {exc}"), "")
-            return 0
+            return
         except BaseException as exc:  # its own error (an RRef whose owner is lost) or a bug
             self.reply_error(conn, rid, exc, traceback.format_exc())
-            return 0
+            return
         agent = self._agent
         size = len(payload)
         for t in tensors:
@@ -338,10 +339,12 @@ class Server:
                 f"a reply of {size} bytes to {agent.name_of(conn.peer_rank)} exceeds "
                 f"max_message_size {agent.limits.of(conn.peer_rank)} (the smaller of its "
                 "caller's and this worker's)"), "")
-            return 0
+            return
         c = self._counters
         with c.lock:  # before the write: the caller may go on before it returns
             c.replies += 1
+        if key is not None:
+            self.large_replies.learn(key, size)
         saved = _intraop.full_for(size) if tensors else None  # (a same-host channel copies)
         try:
             conn.send_frame(_K_RESPONSE, flags, rid, payload, tensors)
@@ -354,7 +357,6 @@ class Server:
         finally:
             if saved is not None:
                 _intraop.restore(saved)
-        return size
 
     def reply_error(self, conn, rid: int, exc: BaseException, tb: str) -> None:
         """Send ``exc`` as the reply to request ``rid`` (logged for a one-way one)."""
