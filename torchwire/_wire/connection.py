@@ -159,11 +159,11 @@ class Connection:
     def _send_large(self, kind, flags, request_id, payload, tensors, lens, deadline) -> bool:
         """Send a frame through the first channel that takes its largest buffer (see
         ``channels/``); False if none does (the socket carries it all)."""
-        big = max(lens)
+        big, total = max(lens), sum(lens)
         for ch in self.channels.send:
             if big < ch.min_size or not ch.begin(self):
                 continue
-            frame = OutFrame(flags, tensors, deadline, sum(lens))
+            frame = OutFrame(flags, tensors, deadline, total)
             fds = Fds(frame.fds)  # (closing it twice is safe)
             try:
                 for t, n in zip(tensors, lens):
@@ -182,7 +182,7 @@ class Connection:
                                          frame.lens))
             parts.append(payload)
             parts += frame.parts
-            size = F.HEADER_SIZE + 8 * len(lens) + len(payload) + sum(lens)
+            size = F.HEADER_SIZE + 8 * len(lens) + len(payload) + total
             try:  # the channel's part goes once the connection takes the frame
                 self._enqueue(parts, tensors, size, deadline, partial(ch.ready, self, frame))
             except (LinkError, RpcTimeoutError):

@@ -55,8 +55,8 @@ MIN_SIZE = 2 << 20  # below this, mapping + unmapping costs more than CMA's copy
 MAX_LEASED = 2 << 30  # bytes of segments one peer may hold before the socket is used
 MAX_LEASED_SILENT = 128 << 20  # the same while its connection is silent
 # A frame of this many bytes of tensors (a state dict) copies each one over 1 MiB on
-# every core; a smaller one, only those over 16 MiB (memory.copy).  Splitting 8 MiB
-# copies cost a saturated parameter server (5 processes, 2 cores) 5-14 %.
+# every core; a smaller one, only those over 16 MiB (memory.copy): splitting smaller
+# copies costs a host whose cores are all busy (BENCHMARKS.md, fifth session).
 BULK_BYTES = 64 << 20
 
 
