@@ -43,7 +43,6 @@ loop's eventfd is closed when the loop is collected.
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextvars
 import os
 import threading
@@ -297,11 +296,11 @@ class AsyncioFuture:
                 raise self._make_cancelled_error()
         return self.value()
 
-    def _awaited(self) -> collections.deque:
+    def _awaited(self) -> list:
         """The waiters and asyncio callbacks to wake once it ends (made on first use)."""
         awaited = self._tw_awaited
         if awaited is None:
-            awaited = self.__dict__.setdefault("_tw_awaited", collections.deque())
+            awaited = self.__dict__.setdefault("_tw_awaited", [])
         return awaited
 
 
@@ -385,18 +384,18 @@ _c_set_result = torch._C.Future.set_result
 _c_done = torch._C.Future.done  # the torch side: set_result or set_exception happened
 
 
-def _wake_all(awaited: collections.deque) -> None:
+def _wake_all(awaited: list) -> None:
     """Hand each waiter and callback of a future that just ended to its loop, in the
     order they came (each taken once: another thread may take some)."""
     while awaited:
         try:
-            entry = awaited.popleft()
+            entry = awaited.pop(0)
         except IndexError:  # another thread took the last one
             return
         entry.waker.wake(entry)
 
 
-def _discard(awaited: collections.deque, entry) -> None:
+def _discard(awaited: list, entry) -> None:
     try:
         awaited.remove(entry)
     except ValueError:  # taken by the thread that ended the future
