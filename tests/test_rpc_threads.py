@@ -330,6 +330,19 @@ class _Holder:
         return served_settings_and_result(False)
 
 
+def _large_result():
+    return served_settings_and_result(True)
+
+
+def _small_result():
+    return served_settings_and_result(False)
+
+
+def _call(fn, *args):
+    """A dispatcher, as the RPC tutorials' ``call_method(method, rref, *args)``."""
+    return fn(*args)
+
+
 def test_a_function_whose_last_reply_was_large_runs_with_torchs_count():
     # The request is small, but the work that makes a large reply is not (a parameter
     # server's pull): once a function replied with 4 MiB or more, its next calls run
@@ -356,14 +369,19 @@ def test_a_function_whose_last_reply_was_large_runs_with_torchs_count():
             holder = rpc.remote("worker1", _Holder)
             proxied = [getattr(holder.rpc_sync(), m)()[0][0]
                        for m in ("big", "big", "small", "big", "small")]
-            return seen, proxied, cpus, _intraop._omp is not None
+            # through a dispatcher, each function it calls by its own last reply
+            dispatched = [rpc.rpc_sync("worker1", _call, args=(fn,))[0][0]
+                          for fn in (_large_result, _large_result, _small_result,
+                                     _large_result, _small_result)]
+            return seen, proxied, dispatched, cpus, _intraop._omp is not None
         finally:
             rpc.shutdown()
 
-    seen, proxied, cpus, omp = run_world(body, 2, init=False)[0]
+    seen, proxied, dispatched, cpus, omp = run_world(body, 2, init=False)[0]
     if not omp or cpus < 2:
         pytest.skip("needs OpenMP intra-op threads and 2 CPUs")
     share = cpus // 2
     # first call at the share; then torch's count while the last reply was large
     assert seen == [share, cpus, cpus, cpus, share], seen
     assert proxied == [share, cpus, share, cpus, share], proxied
+    assert dispatched == [share, cpus, share, cpus, share], dispatched

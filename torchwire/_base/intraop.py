@@ -199,16 +199,22 @@ def name_work_by_arg(func, index: int) -> None:
     _named_by_arg[func.__code__] = index
 
 
+_FUNCTION_TYPES = (types.FunctionType, types.MethodType)
+
+
 def work_key(func, args):
     """What identifies a served function across calls: its code object (equal for the
     copies a by-value closure arrives as each call; with the naming argument for a
-    dispatcher, :func:`name_work_by_arg`), a builtin (``torch.randn``) itself, or None
-    (a ``partial``, a callable object: not remembered, so that nothing it holds is kept
-    alive)."""
+    dispatcher, :func:`name_work_by_arg`; with the code of its first argument when that
+    is a function, as a dispatcher's ``call_method(method, rref, *args)``), a builtin
+    (``torch.randn``) itself, or None (a ``partial``, a callable object: not
+    remembered, so that nothing it holds is kept alive)."""
     code = getattr(func, "__code__", None)
     if code is not None:
         index = _named_by_arg.get(code)
         if index is None:
+            if args and type(args[0]) in _FUNCTION_TYPES:
+                return code, args[0].__code__
             return code
         name = args[index] if args is not None and len(args) > index else None
         return (code, name) if isinstance(name, str) else None
