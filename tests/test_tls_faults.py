@@ -98,6 +98,7 @@ def test_a_bad_server_certificate_is_refused_by_the_caller_naming_worker_and_cau
     """worker0 shows a bad certificate, worker1 a good one; worker1 dials worker0."""
     target = str(tmp_path / "pwned")
     done = _fork.Event()
+    back_done = _fork.Event()  # worker0's own call has ended: worker1 may shut down
 
     def body(rank, world_size, init_method):
         logs = _capture_logs()
@@ -107,9 +108,14 @@ def test_a_bad_server_certificate_is_refused_by_the_caller_naming_worker_and_cau
                                                  **pki[bad if rank == 0 else "good"]))
         try:
             if rank == 1:
-                return _call("worker0", _CreateFile(target), 1), None
+                call = _call("worker0", _CreateFile(target), 1)
+                # listening until worker0's call ended: a closed listener would
+                # refuse it before any certificate is looked at
+                assert back_done.wait(30)
+                return call, None
             # the other way (whether worker1 has marked us dead by then or not)
             back = _call("worker1", 1, 1)
+            back_done.set()
             assert done.wait(30)
             if bad == "expired":  # worker1's refusal reaches our handshake thread meanwhile
                 wait_until(lambda: any("refused a tcp connection" in m for m in logs), 10)
