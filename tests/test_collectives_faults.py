@@ -75,7 +75,7 @@ def _take_part(rank, waiting, fn, *args) -> tuple:
     once it holds two objects (its wait for the third has begun)."""
     result = _start_in_thread(fn, *args)
     if rank == 0:
-        wait_until(lambda: _gathered() == 2 or bool(result), 30)
+        assert wait_until(lambda: _gathered() == 2 or bool(result), 30)
         waiting.set()
     assert wait_until(lambda: bool(result), _HANG + 10)
     return result[0]

@@ -91,9 +91,9 @@ def test_example_runs_unchanged_under_torchrun(tmp_path):
     torchrun = Path(sys.executable).parent / "torchrun"
     if not torchrun.exists():
         pytest.skip("torchrun is not installed next to this Python")
+    # the launcher sets these for its children, not this test
     env_free = {k: v for k, v in os.environ.items()
                 if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
-    assert env_free  # the launcher sets them for its children, not this test
     fig, out = run_example("parameter_server", tmp_path, "--steps", "100",
                            launcher=[str(torchrun), "--standalone", "--nproc-per-node", "3"],
                            env=env_free)
