@@ -1,10 +1,10 @@
 """A worker for tests/test_launch.py, started by ``python -m torchwire.launch``.
 
-Rank 1's first process kills itself with SIGKILL once rank 0 reached it; the
-launcher starts it again, it rejoins, and rank 0 (which keeps running) reaches
-the new process.  With
-``--kill-rank-0``, rank 0's first process dies too, after rank 1's rejoin: the
-store lives in the launcher, so rank 0 rejoins as well.
+Rank 1's first process kills itself with SIGKILL once rank 0 has its pid (rank 0
+acknowledges each pid it gets with ``ack``); the launcher starts it again, it
+rejoins, and rank 0 (which keeps running) reaches the new process.  With
+``--kill-rank-0``, rank 0's first process dies too, once rank 1's new process has
+its pid: the store lives in the launcher, so rank 0 rejoins as well.
 """
 
 import os
@@ -15,12 +15,24 @@ import time
 import torchwire.rpc as rpc
 
 
-_called = []
+_acked = []
 
 
 def pid():
-    _called.append(1)
     return os.getpid()
+
+
+def ack():
+    _acked.append(1)
+
+
+def _wait_acked(rank: int) -> None:
+    deadline = time.monotonic() + 30
+    while not _acked and time.monotonic() < deadline:
+        time.sleep(0.01)
+    if not _acked:
+        print(f"rank {rank}: the other rank never acknowledged this process", flush=True)
+        sys.exit(1)
 
 
 def main() -> int:
@@ -30,10 +42,8 @@ def main() -> int:
     rpc.init_rpc(f"worker{rank}", rank=rank, world_size=int(os.environ["WORLD_SIZE"]),
                  rpc_backend_options=rpc.TensorPipeRpcBackendOptions(rpc_timeout=20))
     other = f"worker{1 - rank}"
-    if rank == 1 and restart == 0:  # crash once rank 0 has reached this process
-        deadline = time.monotonic() + 30
-        while not _called and time.monotonic() < deadline:
-            time.sleep(0.01)
+    if rank == 1 and restart == 0:  # crash once rank 0 has this process's pid
+        _wait_acked(rank)
         os.kill(os.getpid(), signal.SIGKILL)
     seen = set()
     deadline = time.monotonic() + 30
@@ -43,15 +53,17 @@ def main() -> int:
     while len(seen) < want:
         try:
             seen.add(rpc.rpc_sync(other, pid, timeout=5))
+            rpc.rpc_sync(other, ack, timeout=5)
         except rpc.WorkerUnavailableError:
-            pass  # the other's process is gone and its next one not here yet
+            pass  # the other's process is gone (it may die once acknowledged) or not back
         if time.monotonic() > deadline:
             print(f"rank {rank}: {other} did not come back", flush=True)
             return 1
         time.sleep(0.05)
     print(f"rank {rank} (restart {restart}) reached {other} in processes {sorted(seen)}",
           flush=True)
-    if rank == 0 and restart == 0 and kill_0:
+    if rank == 0 and restart == 0 and kill_0:  # once rank 1's new process has its pid
+        _wait_acked(rank)
         os.kill(os.getpid(), signal.SIGKILL)
     rpc.shutdown()
     return 0
