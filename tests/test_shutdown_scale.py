@@ -341,20 +341,30 @@ class _CountingStore:
         return call
 
 
+_shutdown_began: list[float] = []
+
+
+def _in_shutdown_for() -> float:
+    """Seconds this worker has waited in ``shutdown()`` (0: not there yet)."""
+    return time.monotonic() - _shutdown_began[0] if _shutdown_began else 0.0
+
+
 def _waits_in_shutdown(rank, world, init_method):
     from torchwire.rpc.api import _get_current_rpc_agent
     rpc.init_rpc(f"worker{rank}", rank=rank, world_size=world,
                  rpc_backend_options=rpc.TensorPipeRpcBackendOptions(init_method=init_method))
     if rank == 0:
-        # the driver keeps calling the worker that already waits in shutdown
-        end = time.monotonic() + 1.5
-        while time.monotonic() < end:
+        # the driver keeps calling the worker that waits in shutdown, for 1.2 s of its wait
+        end = time.monotonic() + 30
+        while rpc.rpc_sync("worker1", _in_shutdown_for) < 1.2:
             assert rpc.rpc_sync("worker1", add, args=(rank, 1)) == 1
+            assert time.monotonic() < end, "worker1 never waited in shutdown"
         rpc.shutdown()
         return None
     agent = _get_current_rpc_agent()
     counting = agent.store = _CountingStore(agent.store)
     t0 = time.monotonic()
+    _shutdown_began.append(t0)
     rpc.shutdown()
     return counting.requests, time.monotonic() - t0
 
@@ -362,7 +372,7 @@ def _waits_in_shutdown(rank, world, init_method):
 def test_a_worker_waiting_in_shutdown_sends_the_store_about_one_request_per_poll():
     from _cluster import run_world
     _, (requests, waited) = run_world(_waits_in_shutdown, 2, init=False, timeout=60)
-    assert waited >= 1.0  # it did wait for the driver
+    assert waited >= 1.2  # it did wait for the driver
     # polls are at most 20 ms apart: ~50 a second, one request each, plus the rounds'
     # own requests (~25 here); reading every rank's keys on each poll made ~230 a
     # second (354 in 1.55 s)
