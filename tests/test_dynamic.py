@@ -51,8 +51,12 @@ def _whoami():
     return rpc.get_worker_info().name
 
 
+_arrived = _ctx.Event()  # set by the callee of _slow_echo: the call runs there
+
+
 def _slow_echo(x, seconds):
-    time.sleep(seconds)
+    _arrived.set()
+    time.sleep(seconds)  # still running while its worker leaves
     return x
 
 
@@ -133,8 +137,9 @@ def test_members_joining_and_leaving_at_once_all_meet():
 def test_a_member_that_leaves_is_forgotten_and_calls_to_it_fail_naming_it():
     init_method = new_init_method()
     up = [_ctx.Event() for _ in range(3)]
-    in_flight, left = _ctx.Event(), _ctx.Event()
+    left = _ctx.Event()
     checked = [_ctx.Event(), _ctx.Event()]
+    _arrived.clear()
 
     def body(rank, _world_size, _unused):
         _join(f"worker{rank}", rank, init_method)
@@ -142,7 +147,7 @@ def test_a_member_that_leaves_is_forgotten_and_calls_to_it_fail_naming_it():
         assert all(e.wait(WAIT) for e in up)
         assert wait_until(lambda: len(_names()) == 3, WAIT)
         if rank == 2:  # leaves while worker0's call to it is still running here
-            assert in_flight.wait(WAIT)
+            assert _arrived.wait(WAIT)
             t0 = time.monotonic()
             rpc.shutdown()
             left.set()
@@ -151,7 +156,6 @@ def test_a_member_that_leaves_is_forgotten_and_calls_to_it_fail_naming_it():
         if rank == 0:
             info2 = rpc.get_worker_info("worker2")
             fut = rpc.rpc_async("worker2", _slow_echo, args=("finished", 0.5))
-            in_flight.set()
         assert left.wait(WAIT)
         out = {
             "in_flight": fut.wait() if fut is not None else "finished",
