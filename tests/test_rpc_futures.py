@@ -13,30 +13,49 @@ import torch
 
 import torchwire
 import torchwire.rpc as rpc
-from _cluster import run_world
+from _cluster import run_world, wait_until
 from test_rpc import add, raise_value_error, sleep_then
 
 
 # ---------------------------------------------------------------- timeouts
 
+_finished: dict = {}
+
+
+def sleep_then_count(seconds, value, key):
+    """:func:`sleep_then`, then count ``key`` as finished (its reply goes next)."""
+    time.sleep(seconds)
+    _finished[key] = _finished.get(key, 0) + 1
+    return value
+
+
+def finished(key):
+    return _finished.get(key, 0)
+
+
 def body_timeouts():
     out = {}
     t0 = time.monotonic()
     try:
-        rpc.rpc_sync("worker1", sleep_then, args=(3, "late"), timeout=0.5)
+        rpc.rpc_sync("worker1", sleep_then_count, args=(3, "late", "late1"), timeout=0.5)
     except RuntimeError as exc:
         out["sync"] = (type(exc).__name__, str(exc), time.monotonic() - t0)
     t0 = time.monotonic()
-    fut = rpc.rpc_async("worker2", sleep_then, args=(3, "late"), timeout=0.3)
+    fut = rpc.rpc_async("worker2", sleep_then_count, args=(3, "late", "late2"), timeout=0.3)
     try:
         fut.wait()
     except RuntimeError as exc:
         out["async"] = (type(exc).__name__, str(exc), time.monotonic() - t0)
     # 0 = no limit, even when the default would have expired
     out["zero"] = rpc.rpc_sync("worker3", sleep_then, args=(0.2, "ok"), timeout=0)
-    # after the late replies arrive they are dropped and the workers still serve
-    time.sleep(3)
-    out["after"] = [rpc.rpc_sync(f"worker{r}", add, args=(r, 1)) for r in (1, 2)]
+    # once the late calls finished, a reply on the same connection comes after theirs:
+    # the late replies were dropped and the workers still serve
+    out["finished"], out["after"] = [], []
+    for r in (1, 2):
+        to, key = f"worker{r}", f"late{r}"
+        out["finished"].append(
+            wait_until(lambda to=to, key=key: rpc.rpc_sync(to, finished, args=(key,)) == 1, 10))
+        out["after"].append(rpc.rpc_sync(to, add, args=(r, 1)))
     return out
 
 
@@ -49,7 +68,7 @@ def test_timeouts(world):
     name, msg, elapsed = out["async"]
     assert name == "RpcTimeoutError" and 0.3 <= elapsed < 0.8
     assert out["zero"] == "ok"
-    assert out["after"] == [2, 3]
+    assert out["finished"] == [True, True] and out["after"] == [2, 3]
 
 
 def test_default_rpc_timeout_applies():
