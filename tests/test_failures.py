@@ -470,20 +470,44 @@ def test_heartbeat_options_are_validated():
 # ---------------------------------------------------------------- garbage after the handshake
 
 
+def _wait_dropped(s: socket.socket, timeout: float = 5.0) -> None:
+    """Read (its PINGs too) until the server closes the connection.
+
+    Raises:
+        TimeoutError: it did not within ``timeout`` seconds.
+    """
+    deadline = time.monotonic() + timeout
+    try:
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"the server kept the connection for {timeout} s")
+            s.settimeout(left)
+            if not s.recv(4096):
+                return
+    except ConnectionResetError:
+        return
+
+
 def _garbage_sender(addr_q, done, secret):
-    """Authenticate as rank 1 with the right secret, then send bad frames."""
+    """Authenticate as rank 1 with the right secret, then send bad frames; each
+    connection ends (the server drops it) before the next one opens."""
     try:
         (host, port) = addr_q.get(timeout=30)
         auth = JobAuth(secret, source="options", timeout=5.0)
         auth._key = addr_q.get(timeout=30)  # the job's key: this is an insider gone bad
-        for raw in (b"XY" + F.encode_header(F.K_REQUEST, 0, 1, 0, [])[2:],  # magic
-                    F.encode_header(F.K_REQUEST, 0, 1, 1 << 40, []),  # absurd length
-                    F.encode_header(F.K_REQUEST, 0, 7, 50, []) + b"\x80\x05garbage" * 5,
-                    b"\x00" * 7):  # truncated, then closed
+        frames = [(b"XY" + F.encode_header(F.K_REQUEST, 0, 1, 0, [])[2:], True),  # magic
+                  (F.encode_header(F.K_REQUEST, 0, 1, 1 << 40, []), True),  # absurd length
+                  # cut short (45 of 50 payload bytes; 7 of a header): closed by us
+                  (F.encode_header(F.K_REQUEST, 0, 7, 50, []) + b"\x80\x05garbage" * 5, False),
+                  (b"\x00" * 7, False)]
+        for raw, drops in frames:
             s = socket.create_connection((host, port), timeout=5)
             s = client_handshake(s, 1, auth, 0, transport="tcp", host=host)
             s.sendall(raw)
-            time.sleep(0.05)
+            if not drops:  # the server waits for the rest of the frame
+                s.shutdown(socket.SHUT_WR)
+            _wait_dropped(s)
             s.close()
     finally:
         done.set()
@@ -534,6 +558,7 @@ def test_garbage_after_the_handshake_drops_that_connection_and_the_worker_keeps_
         sender.join(10)
         if sender.is_alive():
             sender.kill()
+    assert sender.exitcode == 0, "the garbage sender failed (see its traceback above)"
     assert (v0, v1) == (10, 11)
     dropped = [m for m in logs0 if "dropping connection" in m]
     assert any("bad magic" in m for m in dropped), logs0

@@ -3,6 +3,7 @@ and after a peer dies in the middle of one."""
 
 from __future__ import annotations
 
+import multiprocessing as mp
 import os
 import threading
 import time
@@ -18,6 +19,15 @@ CHANNELS = {"shm": None, "cma": ["cma"], "socket": ["socket"]}
 
 
 def echo(x):
+    return x
+
+
+_started = None  # a fork-shared Event, made before the workers fork
+
+
+def echo_started(x):
+    """``echo`` that tells the caller its request has arrived (the reply goes next)."""
+    _started.set()
     return x
 
 
@@ -173,17 +183,20 @@ def test_ten_thousand_transfers_leave_no_fd_segment_or_memory_behind(channel):
 @pytest.mark.parametrize("link", [{"_channels": ["cma"]}, {"_transports": ["tcp"]}],
                          ids=["unix-cma", "tcp-lanes"])
 def test_a_peer_dying_mid_transfer_leaves_the_survivor_clean(link):
+    global _started
+    _started = mp.get_context("fork").Event()
+
     def body(rank, world_size, init_method):
         from _cluster import die, options
         rpc.init_rpc(f"worker{rank}", rank=rank, world_size=world_size,
                      rpc_backend_options=options(init_method, rpc_timeout=20, **link))
-        # 64 MiB; 256 MiB over TCP, whose lanes echoed 64 MiB within the 50 ms below
+        # 64 MiB; 256 MiB over TCP, whose lanes move 64 MiB within tens of ms
         big = torch.ones((256 if "_transports" in link else 64) << 20, dtype=torch.uint8)
         if rank == 1:
             rpc.rpc_sync("worker0", echo, args=(torch.ones(4),))
-            inflight = rpc.rpc_async("worker0", echo, args=(big,))  # worker0 reads it
-            time.sleep(0.05)
-            die(("died", inflight.done()))  # in the middle of the transfer or its reply
+            inflight = rpc.rpc_async("worker0", echo_started, args=(big,))
+            assert _started.wait(20), "worker0 never ran the call"
+            die(("died", inflight.done()))  # its reply on the way: not done
         fds0, rss0, shm0, _, _, _ = _state()  # no call of ours: worker1 may already be dying
         from _cluster import wait_until
         health = rpc.api._get_current_rpc_agent().health

@@ -8,11 +8,13 @@ is the one waiting.
 
 from __future__ import annotations
 
+import dis
 import gc
 import multiprocessing as mp
 import os
 import signal
 import socket
+import sys
 import threading
 import time
 from datetime import timedelta
@@ -22,8 +24,9 @@ import torch
 import torch.distributed as dist
 
 import torchwire.rpc as rpc
-from _cluster import child_result, new_init_method, options, run_world, start_child
+from _cluster import child_result, new_init_method, options, run_world, start_child, wait_until
 from torchwire import RRefError
+from torchwire._base import threads as _threads
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -74,17 +77,32 @@ def _interrupted(wait) -> tuple:
     return value, time.monotonic() - t0
 
 
+def _blocked_in(ident: int, wait_code) -> bool:
+    """Is thread ``ident`` blocked inside ``wait_code`` (a ``wait`` method): its top
+    frame ``wait_blocking``, called from it, in its call of the lock's acquire?"""
+    f = sys._current_frames().get(ident)
+    return (f is not None and f.f_code is _threads.wait_blocking.__code__
+            and dis.opname[f.f_code.co_code[f.f_lasti]] == "CALL_FUNCTION_EX"
+            and f.f_back is not None and f.f_back.f_code is wait_code)
+
+
 def test_ctrl_c_interrupts_a_future_wait_and_shutdown_inside_a_call_is_refused():
     def body(rank, world_size):
         if rank == 1:
             return None
         fut = rpc.rpc_async("worker1", _held_back)
-        # the SIGINT comes once this thread waits on fut: the callback sees it blocked
-        _interruptible()  # before the timer starts: a late thread must not miss it
-        timer = threading.Timer(0.5, os.kill, args=(os.getpid(), signal.SIGINT))
-        timer.start()
+        _interruptible()  # before the helper starts: a late thread must not miss it
+        main, signalled = threading.get_ident(), []
+
+        def interrupt():  # the SIGINT comes once this thread is blocked in fut.wait()
+            if wait_until(lambda: _blocked_in(main, type(fut).wait.__code__), 20):
+                signalled.append(True)
+                os.kill(os.getpid(), signal.SIGINT)
+
+        helper = threading.Thread(target=interrupt, daemon=True)
+        helper.start()
         outcome, waited = _interrupted(fut.wait)
-        timer.join()
+        helper.join()
         # graceful shutdown() inside a served function: refused at once, no deadlock
         try:
             rpc.rpc_sync("worker1", _shut_down_here, timeout=0)
@@ -94,9 +112,10 @@ def test_ctrl_c_interrupts_a_future_wait_and_shutdown_inside_a_call_is_refused()
         served = rpc.rpc_sync("worker1", _slow, args=(0,))
         done = fut.done()
         rpc.rpc_sync("worker1", _let_go)
-        return outcome, waited, done, fut.wait(), refused, served
+        return outcome, waited, signalled, done, fut.wait(), refused, served
 
-    outcome, waited, done, value, refused, served = run_world(body, 2, timeout=80)[0]
+    outcome, waited, signalled, done, value, refused, served = run_world(body, 2, timeout=80)[0]
+    assert signalled, "the main thread was never seen blocked in fut.wait()"
     assert outcome == "KeyboardInterrupt", outcome
     assert waited < 15, f"Ctrl-C took {waited:.1f} s to interrupt a 30 s wait"
     assert not done and value is True  # the call went on, and its reply came
