@@ -272,10 +272,13 @@ class World:
                     conn.send(None)
                 except OSError:
                     pass
+        errors = []
         for rank, (p, conn) in enumerate(self._procs):
             try:
                 _recv(conn, p, timeout, f"shutdown of worker{rank}")
-            except ChildError:
-                pass
+            except ChildError as exc:  # reported once every worker is gone
+                errors.append(str(exc))
             p.join(5)
             _kill(p)
+        if errors:
+            raise ChildError("the shared job did not shut down cleanly:\n" + "\n".join(errors))
