@@ -19,6 +19,7 @@ import multiprocessing as mp
 import os
 import signal
 import tempfile
+import threading
 import time
 import traceback
 
@@ -49,6 +50,30 @@ def _recv(conn, proc, timeout: float, what: str):
     if status == "err":
         raise ChildError(f"{what} failed:\n{value}")
     return value
+
+
+# -------------------------------------------------------- gates: calls held in flight
+# A callee that must still be running when a test acts waits at a gate the test
+# opens afterwards (keys are per test: the shared job's workers keep them).
+
+_gates: dict[str, threading.Event] = {}
+_gates_lock = threading.Lock()
+
+
+def _gate(key: str) -> threading.Event:
+    with _gates_lock:
+        return _gates.setdefault(key, threading.Event())
+
+
+def after_gate(key, value):
+    """``value`` once ``open_gate(key)`` has run here (30 s at most)."""
+    if not _gate(key).wait(30):
+        raise TimeoutError(f"gate {key!r} was never opened")
+    return value
+
+
+def open_gate(key):
+    _gate(key).set()
 
 
 def _kill(proc) -> None:

@@ -11,7 +11,7 @@ import torch
 
 import torchwire
 import torchwire.rpc as rpc
-from _cluster import run_world, wait_until
+from _cluster import after_gate, open_gate, run_world, wait_until
 
 
 # ---------------------------------------------------------------- remote functions
@@ -23,26 +23,6 @@ def add(a, b):
 def sleep_then(seconds, value):
     time.sleep(seconds)
     return value
-
-
-_gates: dict[str, threading.Event] = {}
-_gates_lock = threading.Lock()
-
-
-def _gate(key: str) -> threading.Event:
-    with _gates_lock:
-        return _gates.setdefault(key, threading.Event())
-
-
-def after_gate(key, value):
-    """``value`` once ``open_gate(key)`` has run here (30 s at most)."""
-    if not _gate(key).wait(30):
-        raise TimeoutError(f"gate {key!r} was never opened")
-    return value
-
-
-def open_gate(key):
-    _gate(key).set()
 
 
 _async_gates: dict[str, asyncio.Event] = {}  # used on the callee's loop only

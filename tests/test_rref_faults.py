@@ -10,13 +10,12 @@ import gc
 import multiprocessing as mp
 import os
 import signal
-import threading
 
 import pytest
 import torch
 
 import torchwire.rpc as rpc
-from _cluster import die, freeze, options, run_world, wait_until
+from _cluster import after_gate, die, freeze, open_gate, options, run_world, wait_until
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -30,13 +29,6 @@ def _info() -> dict:
 
 _held: dict = {}
 _made: list = []
-_making_gate = threading.Event()
-
-
-def _gated(value):
-    """``value`` once the test opens the gate (the value is being made until then)."""
-    assert _making_gate.wait(30), "the gate was never opened"
-    return value
 
 
 def _keep(key, rref):
@@ -67,7 +59,7 @@ def test_owner_releases_what_a_killed_creator_held_and_keeps_other_forks():
         if rank == 1:  # the creator
             made = rpc.remote("worker0", torch.ones, args=(2,))
             assert made.to_here().tolist() == [1.0, 1.0]
-            making = rpc.remote("worker0", _gated, args=(torch.zeros(2),))
+            making = rpc.remote("worker0", after_gate, args=("making", torch.zeros(2)))
             shared = rpc.remote("worker0", torch.full, args=((3,), 7.0))
             assert rpc.rpc_sync("worker2", _keep, args=("shared", shared))
             assert go.wait(30)
@@ -84,7 +76,7 @@ def test_owner_releases_what_a_killed_creator_held_and_keeps_other_forks():
                                   and _info()["num_forks"] == 1, 30), _info()
                 assert rpc.rpc_sync("worker2", _fetch, args=("shared",)).tolist() == [7.0] * 3
                 # `making` finishes after its creator died: nothing keeps it
-                _making_gate.set()
+                open_gate("making")
                 assert wait_until(lambda: _info()["num_live_values"] == 1, 30), _info()
                 assert rpc.rpc_sync("worker2", _drop, args=("shared",))
                 assert wait_until(lambda: _info()["num_owner_rrefs"] == 0

@@ -2,32 +2,17 @@
 
 from __future__ import annotations
 
-import threading
 import time
 
 import pytest
 import torch
 
 import torchwire.rpc as rpc
-from _cluster import options, run_world
+from _cluster import after_gate, open_gate, options, run_world
 
 pytestmark = pytest.mark.timeout(90)
 
 _SMALL_LIMIT = 1 << 20
-
-
-_gate = threading.Event()
-
-
-def _gated(value):
-    """A call in flight on the link while the oversize one is refused: it returns once
-    the caller opens the gate."""
-    assert _gate.wait(30), "the gate was never opened"
-    return value
-
-
-def _open_gate():
-    _gate.set()
 
 
 def _echo(x):
@@ -60,7 +45,7 @@ def test_a_message_over_the_receivers_limit_fails_that_call_and_nothing_else(lin
                      rpc_backend_options=options(init_method, rpc_timeout=20,
                                                  max_message_size=limit, **link))
         peer = f"worker{1 - rank}"
-        inflight = rpc.rpc_async(peer, _gated, args=(rank,))
+        inflight = rpc.rpc_async(peer, after_gate, args=("oversize-in-flight", rank))
         if rank == 1:
             big = torch.ones(size, dtype=torch.uint8)
             sent = _attempt(lambda: rpc.rpc_sync(peer, _echo, args=(big,)))
@@ -70,7 +55,7 @@ def test_a_message_over_the_receivers_limit_fails_that_call_and_nothing_else(lin
             payload = None
         after = rpc.rpc_sync(peer, _echo, args=(torch.full((3,), float(rank)),)).tolist()
         assert not inflight.done()  # it was in flight through all of the above
-        rpc.rpc_sync(peer, _open_gate)
+        rpc.rpc_sync(peer, open_gate, args=("oversize-in-flight",))
         kept = inflight.wait()  # the link was never dropped: its other calls go on
         stats = rpc.api._get_current_rpc_agent().stats()
         rpc.shutdown()
