@@ -96,6 +96,7 @@ class RpcAgent:
         self.info = WorkerInfo(name, rank)
         self.rpc_timeout = float(options.rpc_timeout)
         self.max_message_size = int(options.max_message_size)
+        self.poll_us = float(options.poll_us)
         self.state = AgentState.RUNNING
         self.membership = None  # a dynamic group's GroupMembership
         self.metrics_endpoint = None  # the Prometheus endpoint, when asked for

@@ -363,7 +363,8 @@ class Links:
             threshold=self._threshold)
         return Connection(sock, rank, agent.server.on_frames, self.on_close, channels=channels,
                           defer=agent.pool.submit, max_message_size=agent.max_message_size,
-                          initiated=initiated, transport=transport, lane=lane)
+                          initiated=initiated, transport=transport, lane=lane,
+                          poll_us=agent.poll_us)
 
     def _open_lane(self, rank: int) -> Connection:
         """A second TCP connection to ``rank`` for the second half of large buffers."""

@@ -12,7 +12,8 @@ from .._wire.channels import segments
 
 def stats(agent) -> dict:
     """``rpc.stats()``: this worker's totals, and per peer (by name) calls each way,
-    bytes each way, latency percentiles of the replies, errors by kind and timeouts."""
+    bytes each way, latency percentiles of the replies, errors by kind and timeouts;
+    how its readers polled (``polls``)."""
     conns = agent.links.all()
     io = agent.pending.metrics.bytes_by_peer(conns)  # closed connections' included
     c = agent.counters
@@ -31,9 +32,23 @@ def stats(agent) -> dict:
         "channels": sorted({"shm" if x.channels.sends("shm") else "cma"
                             if x.channels.sends("cma") else "socket" for x in conns}),
         "shm": segments.stats(),
+        "polls": polls(conns),
         "peers": peers(agent, io),
         "metrics_url": agent.metrics_endpoint.url if agent.metrics_endpoint else None,
     }
+
+
+def polls(conns) -> dict:
+    """How the open connections' readers polled after serving (``_wire/polling.py``):
+    ``episodes`` begun, ``hits`` (the next request came while polling), ``ceded``
+    (stopped early: other threads of the process ran) and ``seconds`` spent."""
+    total = {"episodes": 0, "hits": 0, "ceded": 0, "seconds": 0.0}
+    for conn in conns:
+        poll = getattr(conn, "poll", None)  # (a loopback connection has no reader)
+        if poll is not None:
+            for k, v in poll.stats().items():
+                total[k] += v
+    return total
 
 
 def peers(agent, io: dict[int, list[int]] | None = None) -> dict[str, dict]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 
 from . import devices as _devices
 
@@ -14,6 +15,8 @@ DEFAULT_SHUTDOWN_TIMEOUT = 0.0
 DEFAULT_HEARTBEAT_INTERVAL = 1.0
 DEFAULT_HEARTBEAT_TIMEOUT = 10.0
 DEFAULT_MAX_MESSAGE_SIZE = 1 << 40  # 1 TiB: effectively "what the process can hold"
+DEFAULT_POLL_US = 200.0
+POLL_ENV = "TORCHWIRE_POLL_US"
 
 
 class RpcBackendOptions:
@@ -85,6 +88,12 @@ class TorchwireRpcBackendOptions(RpcBackendOptions):
             ``metrics`` extra).  None (default): off, unless the environment variable
             ``TORCHWIRE_METRICS_PORT`` is set (rank ``r`` then serves on its value + r).
         metrics_addr: the address the metrics endpoint listens on (127.0.0.1).
+        poll_us: after serving requests, a connection's reader polls its socket for
+            the next request for up to this many microseconds before it sleeps,
+            yielding its core between polls and stopping when other threads of the
+            process run; the window adapts to how soon requests come (see
+            docs/architecture.md).  None (default): the environment variable
+            ``TORCHWIRE_POLL_US``, else 200.  0 never polls.
     """
 
     def __init__(self, *, num_worker_threads: int = DEFAULT_NUM_WORKER_THREADS,
@@ -99,7 +108,8 @@ class TorchwireRpcBackendOptions(RpcBackendOptions):
                  tls_cafile: str | None = None, tls_check_hostname: bool = True,
                  heartbeat_interval: float = DEFAULT_HEARTBEAT_INTERVAL,
                  heartbeat_timeout: float = DEFAULT_HEARTBEAT_TIMEOUT,
-                 metrics_port: int | None = None, metrics_addr: str | None = None) -> None:
+                 metrics_port: int | None = None, metrics_addr: str | None = None,
+                 poll_us: float | None = None) -> None:
         if not isinstance(num_worker_threads, int) or num_worker_threads < 1:
             raise ValueError(
                 f"num_worker_threads must be a positive int, got {num_worker_threads!r}")
@@ -151,6 +161,7 @@ class TorchwireRpcBackendOptions(RpcBackendOptions):
         self.heartbeat_timeout = float(heartbeat_timeout)
         self.metrics_port = metrics_port
         self.metrics_addr = metrics_addr
+        self.poll_us = _poll_us(poll_us)
 
     def set_device_map(self, to: str, device_map: dict) -> None:
         """Map this worker's devices to ``to``'s: a tensor on a key device arrives on the
@@ -174,6 +185,23 @@ class TorchwireRpcBackendOptions(RpcBackendOptions):
 
 
 TensorPipeRpcBackendOptions = TorchwireRpcBackendOptions
+
+
+def _poll_us(value) -> float:
+    """``poll_us``: the option, else ``TORCHWIRE_POLL_US``, else the default."""
+    what = "poll_us"
+    if value is None:
+        env = os.environ.get(POLL_ENV)
+        if env is None or not env.strip():
+            return DEFAULT_POLL_US
+        what = f"environment variable {POLL_ENV}"
+        try:
+            value = float(env)
+        except ValueError:
+            raise ValueError(f"{what} must be a number of microseconds, got {env!r}") from None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf:
+        raise ValueError(f"{what} must be >= 0 microseconds (0: never poll), got {value!r}")
+    return float(value)
 
 
 _CHANNEL_ALIASES = {"basic": "socket"}

@@ -27,6 +27,7 @@ from . import reader
 from .buffers import byte_view
 from .channels import ChannelFailed, OutFrame
 from .channels.link import ChannelSet
+from .polling import RestPoll
 from .writer import Fds, Writer, close_fds
 
 log = logging.getLogger("torchwire")
@@ -52,12 +53,14 @@ class Connection:
         transport: ``"unix"`` or ``"tcp"``.
         lane: this side opened it as a lane, for the second halves of large buffers
             (the other side learns it from the first DATA frame: ``lane`` turns True).
+        poll_us: after serving requests, the reader polls for the next one for up to
+            this long before it sleeps (``polling.py``); 0 never polls.
     """
 
     def __init__(self, sock: socket.socket, peer_rank: int, on_frames, on_close, *,
                  channels: ChannelSet | None = None, defer=None,
                  max_message_size: int = F.DEFAULT_MAX_MESSAGE_SIZE, initiated: bool,
-                 transport: str, lane: bool = False) -> None:
+                 transport: str, lane: bool = False, poll_us: float = 0) -> None:
         self.sock = sock
         # A lane's halves belong to frames the main connection counts whole: metrics
         # leave its bytes out.
@@ -89,6 +92,7 @@ class Connection:
         # peer may have stopped reading): channels that hold memory for the peer hold
         # less until anything arrives again (see ``silent``).
         self.silent_mark: int | None = None
+        self.poll = RestPoll(int(poll_us * 1000))
         self._reader_done = threading.Event()
         self._reader = threading.Thread(target=self.read_loop, daemon=True,
                                         name=f"torchwire-reader-{peer_rank}")

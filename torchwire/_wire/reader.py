@@ -13,7 +13,9 @@ The frames decoded from one read are handed to ``on_frames`` as one batch.  When
 batch ends the buffer (the reader is *at rest*), ``on_frames`` may run requests on
 this thread and hand the reading to another one meanwhile; it then returns True and
 this loop stops (``HANDED_OFF``).  The other thread starts afresh: at rest there is
-no state to pass.
+no state to pass.  A batch that held requests and ended at rest is followed by a
+short poll of the socket before the reader sleeps (``polling.py``): the next request
+is often close behind.
 
 Errors end the loop: the end of the stream or an ``OSError`` becomes a
 ``ConnectionBrokenError`` (the ``OSError`` as its cause), except that the end of the
@@ -39,6 +41,7 @@ HANDED_OFF = object()  # run(): another thread reads this connection now
 _ANC_SPACE = socket.CMSG_SPACE(253 * 4) if hasattr(socket, "CMSG_SPACE") else 0
 _CLOEXEC = int(getattr(socket, "MSG_CMSG_CLOEXEC", 0))
 _CTRUNC = int(getattr(socket, "MSG_CTRUNC", 0))
+_DONTWAIT = int(getattr(socket, "MSG_DONTWAIT", 0))
 
 
 class Stream:
@@ -113,8 +116,7 @@ def _read(conn):  # noqa: C901 - the hot loop, kept in one piece
     fdq = conn.fds
     peer = conn.peer_rank
     if channels.fd_passing:  # descriptors may ride with the bytes: read them too
-        def recv_into(view) -> int:
-            got, anc, msg_flags, _ = sock.recvmsg_into([view], _ANC_SPACE, _CLOEXEC)
+        def take_fds(anc, msg_flags) -> None:
             for level, typ, data in anc:
                 if level == socket.SOL_SOCKET and typ == socket.SCM_RIGHTS:
                     fds = array.array("i")
@@ -122,9 +124,25 @@ def _read(conn):  # noqa: C901 - the hot loop, kept in one piece
                     fdq.extend(fds)
             if msg_flags & _CTRUNC:
                 raise ProtocolError("descriptors from the peer were truncated")
+
+        def recv_into(view) -> int:
+            got, anc, msg_flags, _ = sock.recvmsg_into([view], _ANC_SPACE, _CLOEXEC)
+            take_fds(anc, msg_flags)
+            return got
+
+        def recv_nowait(view) -> int:
+            got, anc, msg_flags, _ = sock.recvmsg_into([view], _ANC_SPACE,
+                                                       _CLOEXEC | _DONTWAIT)
+            take_fds(anc, msg_flags)
             return got
     else:
         recv_into = sock.recv_into
+
+        def recv_nowait(view) -> int:
+            return recv_into(view, 0, _DONTWAIT)
+    # after serving, poll before sleeping (not over TLS: its reads are its own)
+    poll = conn.poll if (conn.poll.max_ns and _DONTWAIT
+                         and isinstance(sock, socket.socket)) else None
 
     def deliver() -> None:
         nonlocal frames
@@ -171,6 +189,8 @@ def _read(conn):  # noqa: C901 - the hot loop, kept in one piece
         return ref.unpack(data)
 
     rx = Stream(read_exact_into, read_ref, deliver)
+    k_request = F.K_REQUEST
+    served = False  # the batch being read holds a request
 
     while True:
         if end - start < header_size:
@@ -242,7 +262,9 @@ def _read(conn):  # noqa: C901 - the hot loop, kept in one piece
         for n in lens:
             size += n & len_mask
         conn.bytes_in += size
-        if kind == k_goodbye:
+        if kind == k_request:
+            served = True
+        elif kind == k_goodbye:
             conn.goodbye_received = True
         frames.append((kind, flags, rid, payload, tensors))
         payload = tensors = t = None  # the frame owns them now
@@ -252,3 +274,8 @@ def _read(conn):  # noqa: C901 - the hot loop, kept in one piece
             if on_frames(conn, batch, True):
                 return HANDED_OFF
             batch = None
+            if served and poll is not None:  # the next request may be close
+                served = False
+                end = poll.read(recv_nowait, recv_into, mv)
+                if not end:
+                    raise EOFError(f"rank {peer} closed the connection")

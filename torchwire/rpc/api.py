@@ -184,7 +184,9 @@ def stats() -> dict[str, Any]:
     ``bytes_out``, ``bytes_in``, ``replies``, ``latency_p50_s``/``latency_p99_s``/
     ``latency_mean_s`` (from a fixed-size histogram; None before a reply), ``errors``
     (by exception type name) and ``timeouts``.  ``"metrics_url"``: the Prometheus
-    endpoint's URL when it is on (``metrics_port``), else None.
+    endpoint's URL when it is on (``metrics_port``), else None.  ``"polls"``: how the
+    readers of open connections polled for the next request after serving
+    (``episodes``, ``hits``, ``ceded``: stopped as other threads ran, ``seconds``).
 
     torchwire addition (torch has no equivalent); handy for monitoring and tests.
     See docs/guide-observability.md.

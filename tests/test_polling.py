@@ -1,0 +1,193 @@
+"""A reader polls for the next request after serving (``_wire/polling.py``): when it
+does, how its window adapts, when it cedes, and the option that turns it off."""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+
+import pytest
+
+import torchwire.rpc as rpc
+from _cluster import run_world
+from torchwire._base.options import DEFAULT_POLL_US, TorchwireRpcBackendOptions
+from torchwire._wire.polling import POLL_START_NS, RestPoll
+
+
+def _plus_one(x):
+    return x + 1
+
+
+def _polls():
+    return rpc.stats()["polls"]
+
+
+# ------------------------------------------------------------------ end to end
+
+
+def test_a_callee_polls_between_back_to_back_requests_and_a_mere_caller_never_does():
+    def body(rank, world_size):
+        if rank:
+            return None
+        results = [rpc.rpc_sync("worker1", _plus_one, args=(i,)) for i in range(400)]
+        return results, rpc.rpc_sync("worker1", _polls), _polls()
+
+    results, callee, caller = run_world(body, 2)[0]
+    assert results == list(range(1, 401))
+    # the next request usually comes while the callee still polls: most episodes hit
+    assert callee["episodes"] >= 100 and callee["hits"] >= 50, callee
+    assert callee["seconds"] > 0
+    assert caller == {"episodes": 0, "hits": 0, "ceded": 0, "seconds": 0.0}
+
+
+def test_poll_us_zero_never_polls():
+    def body(rank, world_size):
+        if rank:
+            return None
+        results = [rpc.rpc_sync("worker1", _plus_one, args=(i,)) for i in range(200)]
+        return results, rpc.rpc_sync("worker1", _polls)
+
+    results, callee = run_world(body, 2, poll_us=0)[0]
+    assert results == list(range(1, 201))
+    assert callee["episodes"] == 0 and callee["hits"] == 0, callee
+
+
+def test_requests_that_come_far_apart_stop_the_polling():
+    """The window grows while requests come close behind their replies, and halves
+    to nothing once they come further apart than ``poll_us``: such a connection
+    then never polls."""
+    def body(rank, world_size):
+        if rank:
+            return None
+        for i in range(50):  # back to back: the window grows
+            rpc.rpc_sync("worker1", _plus_one, args=(i,))
+
+        def spaced(fn, *args):
+            time.sleep(0.005)  # a gap 25 times poll_us: pacing, not waiting for anything
+            return rpc.rpc_sync("worker1", fn, args=args)
+
+        grown = spaced(_polls)
+        for i in range(4):  # 200 -> 100 -> 50 -> 0 µs at most
+            spaced(_plus_one, i)
+        before = spaced(_polls)
+        results = [spaced(_plus_one, i) for i in range(8)]
+        after = spaced(_polls)
+        return grown, before, after, results
+
+    grown, before, after, results = run_world(body, 2, poll_us=200)[0]
+    assert results == list(range(1, 9))
+    assert grown["hits"] > 0, grown
+    assert after["episodes"] == before["episodes"], (before, after)
+
+
+# ------------------------------------------------------------------ one connection
+
+
+@pytest.fixture
+def pair():
+    a, b = socket.socketpair()
+    yield a, b
+    a.close()
+    b.close()
+
+
+def _reader(sock):
+    def recv_nowait(view):
+        return sock.recv_into(view, 0, socket.MSG_DONTWAIT)
+    return recv_nowait, sock.recv_into
+
+
+def test_the_window_grows_on_close_requests_and_halves_to_nothing_on_late_ones(pair):
+    a, b = pair
+    poll = RestPoll(50_000_000)  # 50 ms: what is already there counts as close
+    recv_nowait, recv = _reader(b)
+    buf = bytearray(64)
+    view = memoryview(buf)
+    a.sendall(b"x")
+    assert poll.read(recv_nowait, recv, view) == 1  # window 0: blocked, then grew
+    assert poll.episodes == 0 and poll.window_ns == POLL_START_NS
+    a.sendall(b"y")
+    assert poll.read(recv_nowait, recv, view) == 1 and buf[0:1] == b"y"
+    assert (poll.episodes, poll.hits) == (1, 1)  # a hit keeps the window
+    assert poll.window_ns == POLL_START_NS
+
+    late = RestPoll(1_000_000)  # 1 ms
+    late.window_ns = 800_000
+    for expected in (400_000, 200_000, 100_000, 50_000, 0):
+        timer = threading.Timer(0.02, a.sendall, args=(b"z",))  # 20 times the window
+        timer.start()
+        assert late.read(recv_nowait, recv, view) == 1
+        timer.join()
+        assert late.window_ns == expected
+    assert late.hits == 0 and late.episodes == 5
+
+
+def test_polling_cedes_when_other_threads_of_the_process_run(pair):
+    a, b = pair
+    recv_nowait, recv = _reader(b)
+    view = memoryview(bytearray(64))
+    stop = threading.Event()
+
+    def busy():  # CPU without the GIL: hashing a large buffer releases it
+        import hashlib
+        data = os.urandom(1 << 20)
+        while not stop.is_set():
+            hashlib.sha256(data).digest()
+
+    thread = threading.Thread(target=busy)
+    thread.start()
+    try:
+        poll = RestPoll(10_000_000_000)
+        poll.window_ns = 10_000_000_000  # 10 s: only the busy thread can end this poll
+        timer = threading.Timer(0.5, a.sendall, args=(b"!",))  # a bound, if it fails
+        timer.start()
+        assert poll.read(recv_nowait, recv, view) == 1
+        timer.join()
+    finally:
+        stop.set()
+        thread.join()
+    assert (poll.episodes, poll.hits, poll.ceded) == (1, 0, 1)
+
+
+def test_a_quiet_process_polls_for_its_whole_window(pair):
+    a, b = pair
+    recv_nowait, recv = _reader(b)
+    view = memoryview(bytearray(64))
+    poll = RestPoll(2_000_000)
+    poll.window_ns = 2_000_000
+    timer = threading.Timer(0.1, a.sendall, args=(b".",))
+    timer.start()
+    assert poll.read(recv_nowait, recv, view) == 1
+    timer.join()
+    assert (poll.episodes, poll.hits, poll.ceded) == (1, 0, 0)
+    assert poll.spent_ns >= 2_000_000
+
+
+def test_the_end_of_the_stream_ends_a_poll(pair):
+    a, b = pair
+    recv_nowait, recv = _reader(b)
+    poll = RestPoll(1_000_000)
+    poll.window_ns = 1_000_000
+    a.close()
+    assert poll.read(recv_nowait, recv, memoryview(bytearray(8))) == 0
+    assert poll.hits == 1
+
+
+# ------------------------------------------------------------------ the option
+
+
+def test_the_poll_option_its_environment_variable_and_bad_values(monkeypatch):
+    monkeypatch.delenv("TORCHWIRE_POLL_US", raising=False)
+    assert TorchwireRpcBackendOptions().poll_us == DEFAULT_POLL_US
+    assert TorchwireRpcBackendOptions(poll_us=0).poll_us == 0
+    monkeypatch.setenv("TORCHWIRE_POLL_US", "75")
+    assert TorchwireRpcBackendOptions().poll_us == 75
+    assert TorchwireRpcBackendOptions(poll_us=10).poll_us == 10  # the option wins
+    monkeypatch.setenv("TORCHWIRE_POLL_US", "soon")
+    with pytest.raises(ValueError, match="TORCHWIRE_POLL_US"):
+        TorchwireRpcBackendOptions()
+    for bad in (-1, float("nan"), float("inf"), True, "200"):
+        with pytest.raises(ValueError, match="poll_us"):
+            TorchwireRpcBackendOptions(poll_us=bad)

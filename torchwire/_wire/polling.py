@@ -1,0 +1,109 @@
+"""Polling a connection at rest after serving, before the reader sleeps.
+
+A reader that has just served requests (and replied) usually gets the next request
+soon: a caller in a loop, ``remote()`` followed by ``to_here()``, a pipeline's next
+micro-batch.  Asleep in ``recv``, the reader costs that request a thread wake-up, and
+on a virtual machine whose idle vCPUs halt, waking one is a trip through the host
+(tens of microseconds).  So the reader polls the socket (``MSG_DONTWAIT``) for a
+short window first.  The window adapts per connection the way Linux's ``haltpoll``
+adapts a vCPU's: it grows (up to ``poll_us``) while the next request comes within
+``poll_us`` of the last reply, and shrinks to nothing while requests come further
+apart, so a connection whose requests are rare never polls.
+
+Polling must not take what others need.  Between two polls the reader yields its
+core (``sched_yield``: a runnable thread of any process goes first) and, with it,
+the GIL; and it stops as soon as the other threads of its process have run for
+``BUSY_NS`` since it began (user code in the pool, the main thread), since then
+its GIL is wanted.  It never polls over TLS (the record layer reads in its own
+steps).
+
+One episode, after a batch with requests ends what was read::
+
+    window 0 ---------------------------------------------> BLOCKED
+    POLLING --data----------------------------------------> READ       (a hit)
+    POLLING --the window passed, or other threads ran-----> BLOCKED    (ceded)
+    BLOCKED --data within poll_us of the reply: grow------> READ
+    BLOCKED --data later: shrink (halve; under the start: 0)-> READ
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+POLL_START_NS = 50_000  # the window a connection starts polling with, once it should
+BUSY_NS = 20_000  # other threads of the process ran this long: stop polling
+_CHECK_EVERY = 8  # polls between two looks at the other threads' CPU time (syscalls)
+
+_clock = time.perf_counter_ns
+_process_time = time.process_time_ns
+_thread_time = time.thread_time_ns
+_yield = getattr(os, "sched_yield", lambda: None)
+
+
+class RestPoll:
+    """One connection's polling window and what it did (read by ``rpc.stats()``).
+
+    Args:
+        max_ns: the longest window; 0 never polls.
+    """
+
+    __slots__ = ("max_ns", "start_ns", "window_ns", "episodes", "hits", "ceded", "spent_ns")
+
+    def __init__(self, max_ns: int) -> None:
+        self.max_ns = max(0, int(max_ns))
+        self.start_ns = min(POLL_START_NS, self.max_ns)
+        self.window_ns = 0
+        self.episodes = 0  # polls begun
+        self.hits = 0  # ... that found data
+        self.ceded = 0  # ... that stopped early: the process's other threads ran
+        self.spent_ns = 0  # time spent polling, hits and misses
+
+    def read(self, recv_nowait, recv, view) -> int:
+        """Read the next bytes into ``view``: poll for the window, else block.
+
+        Args:
+            recv_nowait: ``recv_nowait(view) -> int``, raising ``BlockingIOError``
+                when nothing is there.
+            recv: the blocking ``recv(view) -> int``.
+
+        Returns:
+            The bytes read (0 at the end of the stream).
+        """
+        window = self.window_ns
+        t0 = _clock()
+        if window:
+            self.episodes += 1
+            deadline = t0 + window
+            others = _process_time() - _thread_time()
+            n = 0
+            while True:
+                try:
+                    got = recv_nowait(view)
+                except BlockingIOError:
+                    _yield()
+                    n += 1
+                    if n % _CHECK_EVERY:
+                        if _clock() < deadline:
+                            continue
+                    elif _process_time() - _thread_time() - others >= BUSY_NS:
+                        self.ceded += 1
+                        break
+                    elif _clock() < deadline:
+                        continue
+                    break
+                self.hits += 1
+                self.spent_ns += _clock() - t0
+                return got
+            self.spent_ns += _clock() - t0
+        got = recv(view)
+        if _clock() - t0 <= self.max_ns:  # a longer window would have caught it
+            self.window_ns = min(self.max_ns, max(self.start_ns, window * 2))
+        else:
+            window //= 2
+            self.window_ns = window if window >= self.start_ns else 0
+        return got
+
+    def stats(self) -> dict:
+        return {"episodes": self.episodes, "hits": self.hits, "ceded": self.ceded,
+                "seconds": self.spent_ns / 1e9}
