@@ -42,6 +42,57 @@ def test_a_callee_polls_between_back_to_back_requests_and_a_mere_caller_never_do
     assert caller == {"episodes": 0, "hits": 0, "ceded": 0, "seconds": 0.0}
 
 
+def test_a_tcp_callee_polls_too():
+    def body(rank, world_size):
+        if rank:
+            return None
+        for i in range(300):
+            rpc.rpc_sync("worker1", _plus_one, args=(i,))
+        return rpc.rpc_sync("worker1", _polls), rpc.stats()["transports"]
+
+    callee, transports = run_world(body, 2, _transports=["tcp"])[0]
+    assert transports == ["tcp"]
+    assert callee["episodes"] >= 100 and callee["hits"] >= 50, callee
+
+
+_busy_stop = threading.Event()
+
+
+def _start_busy():
+    """A thread of the callee that uses CPU without the GIL, as a torch op would."""
+    import hashlib
+    data = os.urandom(1 << 20)
+
+    def run():
+        while not _busy_stop.is_set():
+            hashlib.sha256(data).digest()
+
+    threading.Thread(target=run, daemon=True).start()
+
+
+def _stop_busy():
+    _busy_stop.set()
+    return _polls()
+
+
+def test_a_callee_whose_other_threads_run_cedes_its_polls():
+    """Requests 0.3 ms apart, inside a 2 ms window: the callee would poll for most
+    of each gap, but its busy thread has used 20 µs long before the next comes."""
+    def body(rank, world_size):
+        if rank:
+            return None
+        rpc.rpc_sync("worker1", _start_busy)
+        results = []
+        for i in range(100):
+            time.sleep(0.0003)  # pacing the calls, not waiting for anything
+            results.append(rpc.rpc_sync("worker1", _plus_one, args=(i,)))
+        return results, rpc.rpc_sync("worker1", _stop_busy)
+
+    results, callee = run_world(body, 2, poll_us=2000)[0]
+    assert results == list(range(1, 101))
+    assert callee["ceded"] >= 1, callee
+
+
 def test_poll_us_zero_never_polls():
     def body(rank, world_size):
         if rank:
