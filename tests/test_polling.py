@@ -13,7 +13,8 @@ import pytest
 import torchwire.rpc as rpc
 from _cluster import run_world
 from torchwire._base.options import DEFAULT_POLL_US, TorchwireRpcBackendOptions
-from torchwire._wire.polling import POLL_START_NS, RestPoll
+from torchwire._wire import polling
+from torchwire._wire.polling import MISS_LIMIT, POLL_START_NS, REST_READS, RestPoll
 
 
 def _plus_one(x):
@@ -53,44 +54,6 @@ def test_a_tcp_callee_polls_too():
     callee, transports = run_world(body, 2, _transports=["tcp"])[0]
     assert transports == ["tcp"]
     assert callee["episodes"] >= 100 and callee["hits"] >= 50, callee
-
-
-_busy_stop = threading.Event()
-
-
-def _start_busy():
-    """A thread of the callee that uses CPU without the GIL, as a torch op would."""
-    import hashlib
-    data = os.urandom(1 << 20)
-
-    def run():
-        while not _busy_stop.is_set():
-            hashlib.sha256(data).digest()
-
-    threading.Thread(target=run, daemon=True).start()
-
-
-def _stop_busy():
-    _busy_stop.set()
-    return _polls()
-
-
-def test_a_callee_whose_other_threads_run_cedes_its_polls():
-    """Requests 0.3 ms apart, inside a 2 ms window: the callee would poll for most
-    of each gap, but its busy thread has used 20 µs long before the next comes."""
-    def body(rank, world_size):
-        if rank:
-            return None
-        rpc.rpc_sync("worker1", _start_busy)
-        results = []
-        for i in range(100):
-            time.sleep(0.0003)  # pacing the calls, not waiting for anything
-            results.append(rpc.rpc_sync("worker1", _plus_one, args=(i,)))
-        return results, rpc.rpc_sync("worker1", _stop_busy)
-
-    results, callee = run_world(body, 2, poll_us=2000)[0]
-    assert results == list(range(1, 101))
-    assert callee["ceded"] >= 1, callee
 
 
 def test_poll_us_zero_never_polls():
@@ -166,13 +129,42 @@ def test_the_window_grows_on_close_requests_and_halves_to_nothing_on_late_ones(p
 
     late = RestPoll(1_000_000)  # 1 ms
     late.window_ns = 800_000
-    for expected in (400_000, 200_000, 100_000, 50_000, 0):
-        timer = threading.Timer(0.02, a.sendall, args=(b"z",))  # 20 times the window
+
+    def read_late():  # the next request comes 20 ms later: 20 times the longest window
+        timer = threading.Timer(0.02, a.sendall, args=(b"z",))
         timer.start()
         assert late.read(recv_nowait, recv, view) == 1
         timer.join()
+
+    for expected in (400_000, 200_000, 100_000):
+        read_late()
         assert late.window_ns == expected
-    assert late.hits == 0 and late.episodes == 5
+    assert late.hits == 0 and late.episodes == 3
+
+
+def test_polls_that_keep_missing_rest(pair, monkeypatch):
+    """A run of ``MISS_LIMIT`` misses stops the polling for ``REST_READS`` reads, even
+    while requests come close behind (a poller can hold up a starved peer)."""
+    monkeypatch.setattr(polling, "_preempted", lambda: 0)  # (as above)
+    a, b = pair
+    recv_nowait, recv = _reader(b)
+    view = memoryview(bytearray(64))
+    poll = RestPoll(50_000_000)
+    poll.window_ns = 1_000_000  # 1 ms polls, data 20 ms later: each one misses
+    for _ in range(MISS_LIMIT):
+        timer = threading.Timer(0.02, a.sendall, args=(b"m",))
+        timer.start()
+        assert poll.read(recv_nowait, recv, view) == 1
+        timer.join()
+    assert poll.episodes == MISS_LIMIT and poll.hits == 0
+    assert poll.window_ns == 0 and poll.rest == REST_READS - 1
+    for _ in range(REST_READS - 1):  # close requests: no poll, no growth while resting
+        a.sendall(b"c")
+        assert poll.read(recv_nowait, recv, view) == 1
+    assert poll.episodes == MISS_LIMIT and poll.rest == 0 and poll.window_ns == 0
+    a.sendall(b"c")
+    assert poll.read(recv_nowait, recv, view) == 1
+    assert poll.window_ns == POLL_START_NS  # rested: it grows again
 
 
 def test_polling_cedes_when_other_threads_of_the_process_run(pair):
@@ -202,7 +194,10 @@ def test_polling_cedes_when_other_threads_of_the_process_run(pair):
     assert (poll.episodes, poll.hits, poll.ceded) == (1, 0, 1)
 
 
-def test_a_quiet_process_polls_for_its_whole_window(pair):
+def test_a_quiet_process_polls_for_its_whole_window(pair, monkeypatch):
+    # other test processes may take this core meanwhile (a sign to cede): not
+    # what this test is about
+    monkeypatch.setattr(polling, "_preempted", lambda: 0)
     a, b = pair
     recv_nowait, recv = _reader(b)
     view = memoryview(bytearray(64))

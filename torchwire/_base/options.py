@@ -93,7 +93,8 @@ class TorchwireRpcBackendOptions(RpcBackendOptions):
             yielding its core between polls and stopping when other threads of the
             process run; the window adapts to how soon requests come (see
             docs/architecture.md).  None (default): the environment variable
-            ``TORCHWIRE_POLL_US``, else 200.  0 never polls.
+            ``TORCHWIRE_POLL_US``, else 200.  0 never polls: the better setting
+            on a host with more busy threads than cores.
     """
 
     def __init__(self, *, num_worker_threads: int = DEFAULT_NUM_WORKER_THREADS,

@@ -11,17 +11,26 @@ adapts a vCPU's: it grows (up to ``poll_us``) while the next request comes withi
 apart, so a connection whose requests are rare never polls.
 
 Polling must not take what others need.  Between two polls the reader yields its
-core (``sched_yield``: a runnable thread of any process goes first) and, with it,
+core (``sched_yield``: a task waiting for this core goes first) and, with it,
 the GIL; and it stops as soon as the other threads of its process have run for
-``BUSY_NS`` since it began (user code in the pool, the main thread), since then
-its GIL is wanted.  It never polls over TLS (the record layer reads in its own
-steps).
+``BUSY_NS`` since it began (user code in the pool, the main thread: its GIL is
+wanted), or once a yield has let another task run (its core is wanted).  When more
+threads are runnable than there are cores, a poll can even hold up the request it
+waits for (the peer waits for a core the poller keeps busy: a yield only hands
+over to tasks queued on the same core), so a connection whose polls miss
+``MISS_LIMIT`` times in a row blocks without polling for its next ``REST_READS``
+reads.  That bounds the harm, not all of it: on a host with more busy threads than
+cores, ``poll_us=0`` is the better setting.  It never polls over TLS (the record
+layer reads in its own steps).
 
 One episode, after a batch with requests ends what was read::
 
     window 0 ---------------------------------------------> BLOCKED
     POLLING --data----------------------------------------> READ       (a hit)
-    POLLING --the window passed, or other threads ran-----> BLOCKED    (ceded)
+    POLLING --the window passed---------------------------> BLOCKED    (a miss)
+    POLLING --other threads ran, or a task took the core--> BLOCKED    (ceded)
+    a miss, the MISS_LIMIT-th in a row: window 0, rest REST_READS reads
+    BLOCKED --resting: one read less to rest--------------> READ
     BLOCKED --data within poll_us of the reply: grow------> READ
     BLOCKED --data later: shrink (halve; under the start: 0)-> READ
 """
@@ -34,11 +43,25 @@ import time
 POLL_START_NS = 50_000  # the window a connection starts polling with, once it should
 BUSY_NS = 20_000  # other threads of the process ran this long: stop polling
 _CHECK_EVERY = 8  # polls between two looks at the other threads' CPU time (syscalls)
+MISS_LIMIT = 4  # polls in a row that find nothing ...
+REST_READS = 64  # ... and the connection's next reads block without polling
 
 _clock = time.perf_counter_ns
 _process_time = time.process_time_ns
 _thread_time = time.thread_time_ns
 _yield = getattr(os, "sched_yield", lambda: None)
+
+
+try:
+    from resource import RUSAGE_THREAD as _RUSAGE_THREAD, getrusage as _getrusage
+except ImportError:  # not Linux: the other threads' CPU time is the only sign
+    _getrusage = None
+
+
+def _preempted() -> int:
+    """This thread's involuntary context switches: a yield that let another task run
+    counts as one, so a change means something else wants this core."""
+    return _getrusage(_RUSAGE_THREAD).ru_nivcsw if _getrusage is not None else 0
 
 
 class RestPoll:
@@ -48,12 +71,15 @@ class RestPoll:
         max_ns: the longest window; 0 never polls.
     """
 
-    __slots__ = ("max_ns", "start_ns", "window_ns", "episodes", "hits", "ceded", "spent_ns")
+    __slots__ = ("max_ns", "start_ns", "window_ns", "misses", "rest", "episodes", "hits",
+                 "ceded", "spent_ns")
 
     def __init__(self, max_ns: int) -> None:
         self.max_ns = max(0, int(max_ns))
         self.start_ns = min(POLL_START_NS, self.max_ns)
         self.window_ns = 0
+        self.misses = 0  # polls in a row that found nothing
+        self.rest = 0  # reads to go without polling, after MISS_LIMIT misses
         self.episodes = 0  # polls begun
         self.hits = 0  # ... that found data
         self.ceded = 0  # ... that stopped early: the process's other threads ran
@@ -76,6 +102,7 @@ class RestPoll:
             self.episodes += 1
             deadline = t0 + window
             others = _process_time() - _thread_time()
+            switches = _preempted()
             n = 0
             while True:
                 try:
@@ -86,18 +113,26 @@ class RestPoll:
                     if n % _CHECK_EVERY:
                         if _clock() < deadline:
                             continue
-                    elif _process_time() - _thread_time() - others >= BUSY_NS:
+                    elif (_process_time() - _thread_time() - others >= BUSY_NS
+                          or _preempted() != switches):
                         self.ceded += 1
+                        self.misses -= 1  # not a miss: polling was not in vain yet
                         break
                     elif _clock() < deadline:
                         continue
                     break
                 self.hits += 1
+                self.misses = 0
                 self.spent_ns += _clock() - t0
                 return got
             self.spent_ns += _clock() - t0
+            self.misses += 1
+            if self.misses >= MISS_LIMIT:  # polling keeps missing: rest from it
+                self.misses, self.rest, self.window_ns = 0, REST_READS, 0
         got = recv(view)
-        if _clock() - t0 <= self.max_ns:  # a longer window would have caught it
+        if self.rest:
+            self.rest -= 1
+        elif _clock() - t0 <= self.max_ns:  # a longer window would have caught it
             self.window_ns = min(self.max_ns, max(self.start_ns, window * 2))
         else:
             window //= 2
