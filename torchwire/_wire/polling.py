@@ -82,7 +82,7 @@ class RestPoll:
         self.rest = 0  # reads to go without polling, after MISS_LIMIT misses
         self.episodes = 0  # polls begun
         self.hits = 0  # ... that found data
-        self.ceded = 0  # ... that stopped early: the process's other threads ran
+        self.ceded = 0  # ... that stopped early: other threads ran, or the core was taken
         self.spent_ns = 0  # time spent polling, hits and misses
 
     def read(self, recv_nowait, recv, view) -> int:
@@ -101,13 +101,13 @@ class RestPoll:
         if window:
             self.episodes += 1
             deadline = t0 + window
-            others = _process_time() - _thread_time()
-            switches = _preempted()
             n = 0
             while True:
                 try:
                     got = recv_nowait(view)
                 except BlockingIOError:
+                    if not n:  # what the others have used so far (syscalls: not on a hit)
+                        others, switches = _process_time() - _thread_time(), _preempted()
                     _yield()
                     n += 1
                     if n % _CHECK_EVERY:
@@ -115,18 +115,17 @@ class RestPoll:
                             continue
                     elif (_process_time() - _thread_time() - others >= BUSY_NS
                           or _preempted() != switches):
-                        self.ceded += 1
-                        self.misses -= 1  # not a miss: polling was not in vain yet
+                        self.ceded += 1  # not a miss: polling was not in vain yet
                         break
                     elif _clock() < deadline:
                         continue
+                    self.misses += 1
                     break
                 self.hits += 1
                 self.misses = 0
                 self.spent_ns += _clock() - t0
                 return got
             self.spent_ns += _clock() - t0
-            self.misses += 1
             if self.misses >= MISS_LIMIT:  # polling keeps missing: rest from it
                 self.misses, self.rest, self.window_ns = 0, REST_READS, 0
         got = recv(view)
