@@ -15,7 +15,7 @@ DEFAULT_SHUTDOWN_TIMEOUT = 0.0
 DEFAULT_HEARTBEAT_INTERVAL = 1.0
 DEFAULT_HEARTBEAT_TIMEOUT = 10.0
 DEFAULT_MAX_MESSAGE_SIZE = 1 << 40  # 1 TiB: effectively "what the process can hold"
-DEFAULT_POLL_US = 200.0
+DEFAULT_POLL_US = 1000.0
 POLL_ENV = "TORCHWIRE_POLL_US"
 
 
@@ -93,7 +93,7 @@ class TorchwireRpcBackendOptions(RpcBackendOptions):
             yielding its core between polls and stopping when other threads of the
             process run; the window adapts to how soon requests come (see
             docs/architecture.md).  None (default): the environment variable
-            ``TORCHWIRE_POLL_US``, else 200.  0 never polls: the better setting
+            ``TORCHWIRE_POLL_US``, else 1000.  0 never polls: the better setting
             on a host with more busy threads than cores.
     """
 
