@@ -56,6 +56,29 @@ def test_a_tcp_callee_polls_too():
     assert callee["episodes"] >= 100 and callee["hits"] >= 50, callee
 
 
+def test_the_default_window_spans_a_callers_own_work_between_calls():
+    """A caller that works a few hundred microseconds between a reply and its next
+    request (its own layer, its loss, a local backward pass) still finds the callee
+    polling under the default ``poll_us``: the window grows past such gaps."""
+    def body(rank, world_size):
+        if rank:
+            return None
+        before = rpc.rpc_sync("worker1", _polls)
+        results = []
+        for i in range(300):
+            results.append(rpc.rpc_sync("worker1", _plus_one, args=(i,)))
+            busy_until = time.perf_counter() + 400e-6  # the caller's own work: on CPU
+            while time.perf_counter() < busy_until:
+                pass
+        return results, before, rpc.rpc_sync("worker1", _polls)
+
+    results, before, after = run_world(body, 2)[0]
+    assert results == list(range(1, 301))
+    # every gap is over 400 µs: a window capped at 200 µs never catches one (no
+    # hit at all); most are caught on an idle machine, some with the cores busy
+    assert after["hits"] - before["hits"] > 0, (before, after)
+
+
 def test_poll_us_zero_never_polls():
     def body(rank, world_size):
         if rank:
