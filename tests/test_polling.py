@@ -98,7 +98,9 @@ def test_requests_that_come_far_apart_stop_the_polling():
     def body(rank, world_size):
         if rank:
             return None
-        for i in range(50):  # back to back: the window grows
+        # back to back: the window grows (more than MISS_LIMIT + REST_READS calls, so
+        # that slow first calls, whose polls miss and rest, cannot take them all)
+        for i in range(150):
             rpc.rpc_sync("worker1", _plus_one, args=(i,))
 
         def spaced(fn, *args):
