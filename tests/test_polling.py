@@ -120,16 +120,15 @@ def test_requests_that_come_far_apart_stop_the_polling():
     def body(rank, world_size):
         if rank:
             return None
-        # back to back: the window grows (more than MISS_LIMIT + REST_READS calls, so
-        # that slow first calls, whose polls miss and rest, cannot take them all)
-        for i in range(150):
-            rpc.rpc_sync("worker1", _plus_one, args=(i,))
+        # back to back until a poll has caught one: the window has grown
+        _, grown = _calls_until_polled(
+            lambda i: rpc.rpc_sync("worker1", _plus_one, args=(i,)),
+            lambda polls: polls["hits"] > 0)
 
         def spaced(fn, *args):
             time.sleep(0.005)  # a gap 25 times poll_us: pacing, not waiting for anything
             return rpc.rpc_sync("worker1", fn, args=args)
 
-        grown = spaced(_polls)
         for i in range(4):  # 200 -> 100 -> 50 -> 0 µs at most
             spaced(_plus_one, i)
         before = spaced(_polls)
