@@ -1,19 +1,21 @@
-"""Probe: where a staged CUDA round trip through host memory loses time at 1-4 MiB.
+"""Probe: the staged CUDA path through host memory, against its alternatives.
 
 On an H200 (2026-11-28) staging through pinned memory made 64 and 256 MiB round trips
-several times faster but added a fixed ~11 ms at 1 and 4 MiB, on every channel set,
-while staging 1 MiB in one process took 0.05 ms out and 0.23 ms in; so
-``cuda_host.MIN_BYTES`` is 8 MiB.  One suspect: the receiver's pageable-to-pinned
-``copy_`` is a CPU op, parallel from 1 MiB (torch's grain: 32 768 elements), run on a
-torchwire thread whose own OpenMP team is then woken per message.
+several times faster but added a fixed ~11 ms at 1 and 4 MiB, on every channel set.
+The cause (found on 2026-11-30): the receiver's pageable-to-pinned ``copy_``, a
+parallel CPU op, run on a torchwire thread and waking its own OpenMP team per
+message. By ``memmove`` 1 MiB took 1.6 ms instead of 14, but 256 MiB 101 ms instead
+of 52: ``cuda_host`` copies by ``memmove`` under ``PARALLEL_COPY_MIN``, by ``copy_``
+from it.
 
-Each variant runs a two-process job with ``TORCHWIRE_CUDA_IPC=0``, staging from
-64 KiB, and times ``t * 2`` round trips at each size (median of 10 after a warm-up):
+Each variant runs a two-process job with ``TORCHWIRE_CUDA_IPC=0`` and times ``t * 2``
+round trips at each size (median of ``--reps`` after a warm-up):
 
-- ``direct``: no staging (``.to("cpu")``, ``.to(device)``: the path under 8 MiB);
-- ``staged``: ``cuda_host`` as it is;
-- ``staged-serial``: the receiver's CPU copy on one thread (``intraop.serial_for``);
-- ``staged-memmove``: the receiver's CPU copy by ``ctypes.memmove`` (no torch op).
+- ``direct``: no staging (``.to("cpu")``, ``.to(device)``: the path under
+  ``cuda_host.MIN_BYTES``);
+- ``staged``: ``cuda_host`` as it is, from 64 KiB;
+- ``staged-memmove``: the receiver's CPU copy by ``memmove`` at every size;
+- ``staged-parallel``: the receiver's CPU copy by torch's ``copy_`` at every size.
 
 Run on a GPU machine: ``python bench/cuda_host_probe.py [--sizes-kib 128 1024 4096]``.
 """
@@ -21,43 +23,21 @@ Run on a GPU machine: ``python bench/cuda_host_probe.py [--sizes-kib 128 1024 40
 from __future__ import annotations
 
 import argparse
-import ctypes
 import os
-
-import torch
 
 from cuda_roundtrip import run_pair, time_double
 
-VARIANTS = ("direct", "staged", "staged-serial", "staged-memmove")
+VARIANTS = ("direct", "staged", "staged-memmove", "staged-parallel")
 
 
 def _install(variant: str) -> None:
-    from torchwire._base import intraop
     from torchwire._serialization import cuda_host
 
     cuda_host.MIN_BYTES = 1 << 62 if variant == "direct" else 1 << 16
-    if variant in ("direct", "staged"):
-        return
-
-    def to_device(t, device):
-        if t.numel() * t.element_size() < cuda_host.MIN_BYTES:
-            return t.to(device)
-        pinned = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-        if variant == "staged-serial":
-            saved = intraop.serial_for(1)
-            try:
-                pinned.copy_(t)
-            finally:
-                if saved is not None:
-                    intraop.restore(saved)
-        else:
-            ctypes.memmove(pinned.data_ptr(), t.contiguous().data_ptr(),
-                           t.numel() * t.element_size())
-        out = pinned.to(device, non_blocking=True)
-        torch.cuda.current_stream(out.device).synchronize()
-        return out
-
-    cuda_host.to_device = to_device
+    if variant == "staged-memmove":
+        cuda_host.PARALLEL_COPY_MIN = 1 << 62
+    elif variant == "staged-parallel":
+        cuda_host.PARALLEL_COPY_MIN = 0
 
 
 def _worker(rank, variant, sizes, reps, port, queue):

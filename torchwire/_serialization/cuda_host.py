@@ -14,16 +14,23 @@ blocks reused across messages, as TensorPipe's ``cuda_basic`` channel does):
 
 Both wait for their copy's stream before going on, as a copy through pageable memory
 does: the tensor a callee receives is complete whatever stream it reads on.
-Tensors under :data:`MIN_BYTES` are copied directly: staged, round trips of 1 and
-4 MiB measured slower by a fixed cost whose cause is not found yet, while from 64 MiB
-staging was several times faster (BENCHMARKS.md).
+
+The receiver's copy into the pinned block runs on a torchwire thread. As torch's
+parallel ``copy_`` it wakes that thread's own OpenMP team per message, a fixed cost
+of about 10 ms on an H200's 16-core host that outweighs the copy until tens of MiB:
+under :data:`PARALLEL_COPY_MIN` the copy is one ``memmove`` (no GIL held), from it
+torch's ``copy_``, whose threads then pay for themselves (BENCHMARKS.md, 2026-11-30).
+Tensors under :data:`MIN_BYTES` are copied directly (no faster staged).
 """
 
 from __future__ import annotations
 
+import ctypes
+
 import torch
 
-MIN_BYTES = 8 << 20  # 8 MiB
+MIN_BYTES = 1 << 20  # 1 MiB
+PARALLEL_COPY_MIN = 32 << 20  # 32 MiB
 staged_count = 0  # tensors this process staged (tests check the path was taken)
 
 
@@ -48,7 +55,11 @@ def to_device(t: torch.Tensor, device: str) -> torch.Tensor:
     global staged_count
     staged_count += 1
     pinned = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-    pinned.copy_(t)
+    nbytes = t.numel() * t.element_size()
+    if nbytes < PARALLEL_COPY_MIN and t.is_contiguous():
+        ctypes.memmove(pinned.data_ptr(), t.data_ptr(), nbytes)
+    else:
+        pinned.copy_(t)
     out = pinned.to(device, non_blocking=True)
     torch.cuda.current_stream(out.device).synchronize()
     return out
