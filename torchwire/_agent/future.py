@@ -30,6 +30,7 @@ import torch
 
 from .._base import threads as _threads
 from .._base.errors import CallbackError, RpcStateError
+from .._wire import reader as _reader
 from .awaiting import AsyncioFuture
 from .runtime import current
 
@@ -181,15 +182,21 @@ class SyncReply:
     a lock the reader releases, not a :class:`torch.futures.Future`.  With the caches
     cold, as between messages, creating, completing and waiting on a torch future
     costs tens of microseconds of Python wrappers and C++ around what is a lock
-    hand-off.  Completed at most once (the agent pops the pending call first)."""
+    hand-off.  Completed at most once (the agent pops the pending call first).
 
-    __slots__ = ("_lock", "_value", "_error", "_done")
+    The agent sets ``conn`` (the connection the call went on), ``deadline`` and
+    ``pending`` (its :class:`~.pending.PendingCalls`) once the call is sent: a caller
+    outside torchwire's threads then reads the reply itself if the connection lends
+    its reading (``_wire/lending.py``)."""
+
+    __slots__ = ("_lock", "_value", "_error", "_done", "conn", "deadline", "pending")
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._lock.acquire()
         self._done = False
         self._value = self._error = None
+        self.conn = self.deadline = self.pending = None
 
     def set_result(self, value) -> None:
         self._value = value
@@ -208,7 +215,15 @@ class SyncReply:
         """Block until done; return the value or raise (a copy of) the error, as
         :meth:`Future.wait`."""
         if not self._done:
-            _threads.wait_blocking(self._lock.acquire)
+            conn = self.conn
+            role = getattr(conn, "role", None)
+            # (torchwire's own threads wait as always)
+            if role is not None and not _threads.in_torchwire_thread() and role.borrow():
+                pending = self.pending
+                _reader.read_borrowed(conn, role, self.done, self.deadline,
+                                      lambda: pending.idle_on(conn))
+            if not self._done:
+                _threads.wait_blocking(self._lock.acquire)
         error = self._error
         if error is not None:
             raise _fresh(error) from error.__cause__

@@ -34,10 +34,12 @@ import time
 from .. import _serialization as ser
 from .._base.errors import ProtocolError, RpcTimeoutError, SerializationError
 from .._wire import frame as F
+from .future import SyncReply
 from .metrics import CallMetrics
 from .timer import DeadlineTimer
 
 _perf = time.perf_counter_ns
+_IDLE_SCAN_MAX = 8  # idle_on() looks through at most this many pending calls
 log = logging.getLogger("torchwire")
 
 
@@ -129,11 +131,27 @@ class PendingCalls:
         """Whether some call to ``peer`` is pending."""
         return any(call.peer == peer for call in list(self._table.values()))
 
-    def complete(self, rid: int, flags: int, payload, tensors) -> None:
-        """Reader thread: the reply of call ``rid`` (dropped if the call is over)."""
+    def idle_on(self, conn) -> bool:
+        """Whether no call sent on ``conn`` is pending (False when many calls are:
+        not worth the look)."""
+        table = self._table
+        if len(table) > _IDLE_SCAN_MAX:
+            return False
+        for call in list(table.values()):
+            if call.conn is conn:
+                return False
+        return True
+
+    def complete(self, rid: int, flags: int, payload, tensors) -> bool:
+        """Reader thread: the reply of call ``rid`` (dropped if the call is over).
+
+        Returns:
+            whether it completed a :class:`~.future.SyncReply` (a caller waiting at
+            once: the connection may lend its reading, ``lending.py``).
+        """
         call = self._table.get(rid)
         if call is None:
-            return  # reply to a call that already timed out: dropped quietly
+            return False  # reply to a call that already timed out: dropped quietly
         if call.probe is not None:
             call.probe.replied(payload, tensors)
         if flags & F.F_ERROR:
@@ -151,7 +169,7 @@ class PendingCalls:
                 value, error = None, SerializationError(
                     f"cannot decode the reply from {self._name_of(call.peer)}: {exc}")
         if self._table.pop(rid, None) is None:
-            return  # timed out while decoding
+            return False  # timed out while decoding
         if call.tick is not None:
             self._timer.cancel(rid, call.tick)
         self.metrics.replied(id(call.conn), call.peer, _perf() - call.t0, error)
@@ -164,6 +182,7 @@ class PendingCalls:
                 _settled_elsewhere(call.future)
         if self._draining:
             self._note_idle()
+        return call.future.__class__ is SyncReply
 
     def wait_idle(self, deadline: float) -> bool:
         """Wait until no call is pending; False if ``deadline`` passed first."""

@@ -98,9 +98,11 @@ class Server:
             must stop.
         """
         work = []
+        synced = False  # a caller waiting at once got its reply
         for kind, flags, rid, payload, tensors in frames:
             if kind == _K_RESPONSE:
-                self._pending.complete(rid, flags, payload, tensors)
+                if self._pending.complete(rid, flags, payload, tensors):
+                    synced = True
             elif kind == _K_REQUEST:
                 work.append((self.serve_plain if flags & _F_PLAIN else self.serve,
                              (conn, rid, payload, tensors)))
@@ -119,6 +121,18 @@ class Server:
                 del payload, tensors
                 return self.inline.run(conn, work)
             self._pool.submit_many(work)
+        elif synced and at_rest:
+            # its caller may well wait for the next reply at once: lend it the reading
+            # (``_wire/lending.py``); this thread parks until the reading comes back
+            role = getattr(conn, "role", None)
+            if role is not None:
+                # nothing may keep a received buffer alive while this thread parks
+                frames.clear()
+                del payload, tensors
+                pending = self._pending
+                error = role.lend(lambda: pending.idle_on(conn))
+                if error is not None:  # a borrower broke the stream: end the connection
+                    raise error
         return False
 
     # ------------------------------------------------------------------ requests

@@ -27,6 +27,7 @@ from . import reader
 from .buffers import byte_view
 from .channels import ChannelFailed, OutFrame
 from .channels.link import ChannelSet
+from .lending import ReadRole, lendable
 from .polling import RestPoll
 from .writer import Fds, Writer, close_fds
 
@@ -93,6 +94,10 @@ class Connection:
         # less until anything arrives again (see ``silent``).
         self.silent_mark: int | None = None
         self.poll = RestPoll(int(poll_us * 1000))
+        # a caller waiting for its reply may read it itself (lending.py): connections
+        # this side opened, on plain sockets, not lanes
+        self.role = ReadRole() if (initiated and not lane and lendable()
+                                   and isinstance(sock, socket.socket)) else None
         self._reader_done = threading.Event()
         self._reader = threading.Thread(target=self.read_loop, daemon=True,
                                         name=f"torchwire-reader-{peer_rank}")
@@ -297,6 +302,8 @@ class Connection:
             self.closed = True
             self.close_reason = reason
             dropped = self._writer.shut()
+        if self.role is not None:  # a parked reader reads again, and finds the end
+            self.role.wake()
         close_fds(dropped)
         self.channels.close(self)
         try:

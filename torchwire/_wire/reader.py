@@ -17,6 +17,12 @@ no state to pass.  A batch that held requests and ended at rest is followed by a
 short poll of the socket before the reader sleeps (``polling.py``): the next request
 is often close behind.
 
+A caller waiting for its reply may borrow the reading of a resting connection
+(``lending.py``): :func:`read_borrowed` runs the same loop on the caller's thread,
+reading exact sizes (never past a frame's end) and only when the socket is readable
+before its reply's deadline, and dispatching every frame with ``at_rest`` False
+(requests go to the pool) until its reply is in.
+
 Errors end the loop: the end of the stream or an ``OSError`` becomes a
 ``ConnectionBrokenError`` (the ``OSError`` as its cause), except that the end of the
 stream after the peer's GOODBYE is an orderly close (no error).
@@ -26,8 +32,14 @@ from __future__ import annotations
 
 import array
 import logging
+import math
+import select
+import signal
 import socket
+import threading
+import time
 
+from .._base import threads as _threads
 from .._base.errors import ConnectionBrokenError, LinkError, ProtocolError
 from . import frame as F
 from .buffers import read_faulting, receive_bytes
@@ -38,6 +50,8 @@ log = logging.getLogger("torchwire")
 READ_BUF = 256 * 1024
 SMALL_BUFFER = 64 << 10  # buffers up to this size, already read, become bytearrays
 HANDED_OFF = object()  # run(): another thread reads this connection now
+_LEFT = object()  # _read(): a borrower's wait ended (its reply is in, or it gave up)
+_WAIT_SLICE_MS = 50  # a borrower re-checks its reply at least this often
 _ANC_SPACE = socket.CMSG_SPACE(253 * 4) if hasattr(socket, "CMSG_SPACE") else 0
 _CLOEXEC = int(getattr(socket, "MSG_CMSG_CLOEXEC", 0))
 _CTRUNC = int(getattr(socket, "MSG_CTRUNC", 0))
@@ -93,9 +107,108 @@ def _broken(exc: BaseException) -> ConnectionBrokenError:
     return err
 
 
-def _read(conn):  # noqa: C901 - the hot loop, kept in one piece
+class _BorrowerBuffer(threading.local):
+    buf: bytearray | None = None
+
+
+_borrower = _BorrowerBuffer()
+
+
+def read_borrowed(conn, role, done, deadline: float | None, idle) -> None:
+    """A caller's thread, holding ``role`` borrowed (``lending.py``): read ``conn``
+    until ``done()``, then give the reading back: lent on if ``idle()`` (no call
+    pending on ``conn``), else to the reader.
+
+    Waits for the socket only until ``deadline`` (``time.monotonic()``; the reply's
+    own deadline, when its timer completes it) and re-checks ``done()`` every
+    ``_WAIT_SLICE_MS``.  The end of the stream, or an error inside a frame, goes
+    back to the reader, which ends the connection (failing the pending calls, this
+    one's too).  Raises only what interrupts the thread (``KeyboardInterrupt``).
+    """
+    poller = select.poll()
+    poller.register(conn.sock, select.POLLIN)
+    monotonic = time.monotonic
+
+    def ready() -> bool:
+        if sigint is not None and sigint[1]:  # Ctrl-C came inside the last frame
+            raise KeyboardInterrupt
+        while not done():
+            if role.closing:
+                return False
+            ms = _WAIT_SLICE_MS
+            if deadline is not None:
+                ms = min(ms, max(1, math.ceil((deadline - monotonic()) * 1000)))
+            if poller.poll(ms):
+                return True
+        return False
+
+    buf = _borrower.buf
+    if buf is None:
+        buf = _borrower.buf = bytearray(READ_BUF)
+    clean = [True]  # False while a frame is being read: stopping then breaks the stream
+    was_io = _threads.in_io_thread()
+    _threads.set_io(True)  # as on a reader: user callbacks go to the pool
+    sigint = _defer_sigint(clean)
+    try:
+        _read(conn, ready, clean, buf)
+        wake = not idle()
+    except EOFError:  # the reader finds the end too, and ends the connection
+        wake = True
+    except BaseException as exc:
+        if clean[0]:  # interrupted waiting for a frame: nothing is half-read
+            role.give_back(True)
+            raise
+        if isinstance(exc, OSError):
+            error: BaseException = _broken(exc)
+        elif isinstance(exc, (ProtocolError, LinkError)):
+            error = exc
+        else:
+            if isinstance(exc, Exception):
+                log.exception("torchwire: reading rank %s on a caller's thread failed",
+                              conn.peer_rank)
+            error = ConnectionBrokenError(
+                f"reading from rank {conn.peer_rank} stopped inside a frame: {exc!r}")
+            error.__cause__ = exc
+        role.give_back(True, error)
+        if not isinstance(exc, Exception):
+            raise
+        return
+    finally:
+        _threads.set_io(was_io)
+        if sigint is not None:
+            signal.signal(signal.SIGINT, sigint[0])
+    role.give_back(wake)
+
+
+def _defer_sigint(clean):
+    """On the main thread under Python's own SIGINT handler: a handler that raises
+    ``KeyboardInterrupt`` between frames, as Python's would, but only notes one that
+    comes while a frame is read (the stream would break); returns ``[the handler to
+    restore, noted]``, or None where nothing was changed."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    previous = signal.getsignal(signal.SIGINT)
+    if previous is not signal.default_int_handler:
+        return None
+    state = [previous, False]
+
+    def on_sigint(signum, frame):
+        if clean[0]:
+            raise KeyboardInterrupt
+        state[1] = True
+
+    signal.signal(signal.SIGINT, on_sigint)
+    return state
+
+
+def _read(conn, ready=None, clean=None, buf=None):  # noqa: C901 - the hot loop, in one piece
+    """The read loop; a borrower's (``read_borrowed``) passes ``ready()``, asked
+    before each frame (False: stop), ``clean`` (``clean[0]``: between frames) and its
+    buffer, and reads exact sizes."""
     sock = conn.sock
-    buf = bytearray(READ_BUF)
+    exact = ready is not None
+    if buf is None:
+        buf = bytearray(READ_BUF)
     mv = memoryview(buf)
     start = end = 0
     frames: list = []
@@ -141,7 +254,7 @@ def _read(conn):  # noqa: C901 - the hot loop, kept in one piece
         def recv_nowait(view) -> int:
             return recv_into(view, 0, _DONTWAIT)
     # after serving, poll before sleeping (not over TLS: its reads are its own)
-    poll = conn.poll if (conn.poll.max_ns and _DONTWAIT
+    poll = conn.poll if (conn.poll.max_ns and _DONTWAIT and not exact
                          and isinstance(sock, socket.socket)) else None
 
     def deliver() -> None:
@@ -160,7 +273,7 @@ def _read(conn):  # noqa: C901 - the hot loop, kept in one piece
             mv[0:n] = mv[start:end]
             start, end = 0, n
         while end - start < need:
-            got = recv_into(mv[end:])
+            got = recv_into(mv[end:start + need] if exact else mv[end:])
             if not got:
                 raise EOFError(f"rank {peer} closed the connection")
             end += got
@@ -194,6 +307,11 @@ def _read(conn):  # noqa: C901 - the hot loop, kept in one piece
 
     while True:
         if end - start < header_size:
+            if exact:  # (a borrower: always between frames here)
+                clean[0] = True
+                if not ready():
+                    return _LEFT
+                clean[0] = False
             fill(header_size)
         m, ver, kind, flags, rid, plen, nbufs = unpack_header(buf, start)
         if m != magic or ver != version:
@@ -271,7 +389,7 @@ def _read(conn):  # noqa: C901 - the hot loop, kept in one piece
         if start == end:
             batch, frames = frames, []
             start = end = 0
-            if on_frames(conn, batch, True):
+            if on_frames(conn, batch, not exact):
                 return HANDED_OFF
             batch = None
             if served and poll is not None:  # the next request may be close
