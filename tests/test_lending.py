@@ -178,23 +178,52 @@ def test_turned_off_no_connection_lends():
     assert run_world(body, 2, init=False) == [None, None]
 
 
-_called_back = threading.Event()
+def _relent(role) -> bool:
+    """A call whose reply the reader completes, then lends the reading: lent again."""
+    rpc.rpc_sync("worker1", noop)
+    return wait_until(lambda: role.state is LENT, 20)
 
 
-def test_replies_nobody_waits_for_arrive_while_the_reading_is_lent():
+def _waited_elsewhere(how: str) -> threading.Event:
+    """A call to worker1 whose reply ``how`` waits for, not the calling thread: an
+    event set once it has."""
+    import asyncio
+    called = threading.Event()
+    one = torch.ones(3)
+    if how == "then":
+        rpc.rpc_async("worker1", triple, args=(one,)).then(lambda f: called.set())
+    elif how == "add_done_callback":
+        rpc.rpc_async("worker1", triple, args=(one,)).add_done_callback(
+            lambda f: called.set())
+    elif how == "await":
+        async def main():
+            await rpc.rpc_async("worker1", triple, args=(one,))
+            called.set()
+        threading.Thread(target=asyncio.run, args=(main(),), daemon=True).start()
+    else:  # a pool thread's wait()
+        from torchwire._agent.runtime import current
+        fut = rpc.rpc_async("worker1", triple, args=(one,))
+        current.runtime.agent.defer(lambda: (fut.wait(), called.set()))
+    return called
+
+
+def test_calls_sent_while_the_reading_is_lent_reach_whoever_waits():
     def body(rank, world_size):
         if rank == 1:
             return None
-        _conn, role = _role()
-        lending.LINGER_S = 0.5  # how long a reply nobody borrows for may wait
-        rpc.rpc_sync("worker1", noop)  # the reader completes it: the reading is lent
-        lent = wait_until(lambda: role.state is LENT, 20)
-        # a reply no caller waits for: its callback runs once the reader takes the
-        # reading back (LINGER_S at most)
-        fut = rpc.rpc_async("worker1", triple, args=(torch.ones(3),))
-        fut.then(lambda f: _called_back.set())
-        called = _called_back.wait(20)
-        # one thread calls and waits, another keeps async calls in flight
+        _conn, role = _lent()  # a lent reading waits 30 s for a borrower
+        one = torch.ones(3)
+        # fut.wait() borrows the reading, as rpc_sync does
+        before = role.borrows
+        waited = torch.equal(rpc.rpc_async("worker1", triple, args=(one,)).wait(), one * 3)
+        borrowed = role.borrows - before
+        # a callback, an await, a wait on one of torchwire's threads: nobody borrows,
+        # so the reader takes the reading back at once (not after 30 s)
+        outcomes = {}
+        for how in ("then", "add_done_callback", "await", "pool thread"):
+            relent = _relent(role)
+            outcomes[how] = (relent, _waited_elsewhere(how).wait(20))
+        # threads mixing calls they wait for and calls in flight: every value right
         errors: list = []
 
         def syncs():
@@ -214,13 +243,33 @@ def test_replies_nobody_waits_for_arrive_while_the_reading_is_lent():
             if not all(torch.equal(g, torch.full((4,), 3.0 * j)) for j, g in enumerate(got)):
                 errors.append(AssertionError(f"wrong values in round {k}"))
         t.join(60)
-        return lent, called, torch.equal(fut.wait(), torch.full((3,), 3.0)), \
-            [repr(e) for e in errors], t.is_alive()
+        return waited, borrowed, outcomes, [repr(e) for e in errors], t.is_alive()
 
-    lent, called, value_ok, errors, stuck = run_world(body, 2)[0]
-    assert lent
-    assert called and value_ok
+    waited, borrowed, outcomes, errors, stuck = run_world(body, 2)[0]
+    assert waited and borrowed == 1
+    assert outcomes == {how: (True, True) for how in outcomes} and len(outcomes) == 4, \
+        outcomes
     assert errors == [] and not stuck
+
+
+def test_a_reply_nobody_asks_for_waits_for_the_reader_at_most_the_linger():
+    def body(rank, world_size):
+        if rank == 1:
+            return None
+        _conn, role = _role()
+        lending.LINGER_S = 0.2
+        rpc.rpc_sync("worker1", noop)
+        lent = wait_until(lambda: role.state is LENT, 20)
+        done = threading.Event()
+        # an inline callback (torchwire's own bookkeeping) does not reclaim the
+        # reading: the reader reads the reply once the linger has passed
+        fut = rpc.rpc_async("worker1", triple, args=(torch.ones(2),))
+        fut._add_inline_callback(lambda f: done.set())
+        return lent, done.wait(20), role.state
+
+    lent, done, state = run_world(body, 2)[0]
+    assert lent and done
+    assert state is READING or state == READING  # taken back, not borrowed
 
 
 def test_a_borrowed_wait_ends_at_the_calls_deadline():

@@ -265,8 +265,11 @@ class RpcAgent:
             traced.bytes_out = size
         rid = self.pending.add(fut, peer, conn, timeout, func,
                                sent if pin is None else (sent, pin), deadline, traced)
-        if sync:  # its caller may read the reply itself (SyncReply.wait)
+        # its caller may read the reply itself (``_wire/lending.py``)
+        if sync:
             fut.conn, fut.deadline, fut.pending = conn, deadline, self.pending
+        elif conn.role is not None:
+            fut._tw_link = (conn, deadline, self.pending)
         try:
             conn.send_frame(_K_REQUEST, flags, rid, payload, tensors, deadline)
         except (LinkError, RpcTimeoutError) as exc:

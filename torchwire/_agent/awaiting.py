@@ -297,10 +297,12 @@ class AsyncioFuture:
         return self.value()
 
     def _awaited(self) -> list:
-        """The waiters and asyncio callbacks to wake once it ends (made on first use)."""
+        """The waiters and asyncio callbacks to wake once it ends (made on first use);
+        the loop will not read the reply itself (``Future._need_reader``)."""
         awaited = self._tw_awaited
         if awaited is None:
             awaited = self.__dict__.setdefault("_tw_awaited", [])
+        self._need_reader()
         return awaited
 
 

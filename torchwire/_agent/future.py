@@ -31,6 +31,7 @@ import torch
 from .._base import threads as _threads
 from .._base.errors import CallbackError, RpcStateError
 from .._wire import reader as _reader
+from .._wire.lending import LENT as _LENT
 from .awaiting import AsyncioFuture
 from .runtime import current
 
@@ -97,8 +98,9 @@ class Future(AsyncioFuture, torch.futures.Future):
             callback = functools.partial(context.run, callback)
         self._add_torch_callback(callback)
 
-    def _add_torch_callback(self, callback) -> None:
-        """``add_done_callback`` as torch's, from any thread (off I/O threads)."""
+    def _add_torch_callback(self, callback, prompt: bool = True) -> None:
+        """``add_done_callback`` as torch's, from any thread (off I/O threads);
+        ``prompt``: run it as soon as the reply comes (see :meth:`_need_reader`)."""
 
         def run(fut):
             try:
@@ -106,9 +108,9 @@ class Future(AsyncioFuture, torch.futures.Future):
             except Exception as exc:  # as torch: logged, and the other callbacks still run
                 log.error("Got the following error when running the callback: %s: %s",
                           type(exc).__name__, exc)
-        self._queue(run)
+        self._queue(run, prompt)
 
-    def _queue(self, run) -> None:
+    def _queue(self, run, prompt: bool = True) -> None:
         """Run ``run(self)`` once done, after the callbacks added before it (torch runs a
         future's callbacks in the order they were added; code relies on it, e.g. a
         ``then`` added after an ``add_done_callback`` to wait for it)."""
@@ -122,8 +124,20 @@ class Future(AsyncioFuture, torch.futures.Future):
                 self._tw_pending = [run]
         if arm:  # outside the lock: a future completing meanwhile drains inline
             super().add_done_callback(lambda _f: _run_off_io(_drain, self))
+            if prompt:
+                self._need_reader()
         else:
             run(self)  # done and nothing pending: inline, as torch
+
+    def _need_reader(self) -> None:
+        """Something will wait for this future without reading its reply itself: a
+        connection that lent its reading to callers (``_wire/lending.py``) gives it
+        back to its reader."""
+        link = self.__dict__.get("_tw_link")
+        if link is not None:
+            role = link[0].role
+            if role.state is _LENT:
+                role.reclaim()
 
 
     def _add_inline_callback(self, callback) -> None:
@@ -145,6 +159,17 @@ class Future(AsyncioFuture, torch.futures.Future):
         handlers until the call ends).
         """
         try:
+            if not self._completed():
+                link = self.__dict__.get("_tw_link")
+                if link is not None:  # its reply may be read here (SyncReply.wait)
+                    conn, deadline, pending = link
+                    role = conn.role
+                    if _threads.in_torchwire_thread():
+                        if role.state is _LENT:
+                            role.reclaim()
+                    elif role.borrow():
+                        _reader.read_borrowed(conn, role, self._completed, deadline,
+                                              lambda: pending.idle_on(conn))
             if not self._completed():
                 if threading.get_ident() == _main_ident:
                     done = _allocate_lock()
@@ -230,12 +255,13 @@ class SyncReply:
         return self._value
 
 
-def add_done_callback(fut, callback) -> None:
+def add_done_callback(fut, callback, prompt: bool = True) -> None:
     """``fut.add_done_callback(callback)`` with torch's semantics even on a thread that
     runs an asyncio loop: torchwire's own callbacks, which code on that thread may
-    block waiting for (a blocking ``to_here`` in a coroutine)."""
+    block waiting for (a blocking ``to_here`` in a coroutine).  ``prompt=False``:
+    bookkeeping that may wait for a lent connection's reader (``_wire/lending.py``)."""
     if isinstance(fut, Future):
-        fut._add_torch_callback(callback)
+        fut._add_torch_callback(callback, prompt)
     else:
         fut.add_done_callback(callback)
 
@@ -293,6 +319,8 @@ def wait_all(futures):
 
     for f in futures:
         torch._C.Future.add_done_callback(f, one_done)  # inline: bookkeeping only
+        if isinstance(f, Future):
+            f._need_reader()
     if not finished.is_set():
         _threads.wait_blocking(finished.wait)
     failed = state["failed"]

@@ -117,6 +117,7 @@ class LoopbackConnection:
     transport = "loopback"
     initiated = True
     closed = False
+    role = None  # nothing to read: its reading is never lent
 
     def __init__(self, on_frames, rank: int) -> None:
         self._on_frames = on_frames

@@ -189,7 +189,8 @@ class Janitor:
             log.debug("torchwire: RRef control to rank %d not sent: %s", dest, exc)
             self._failed(ops, exc)
             return
-        add_done_callback(fut, lambda f: self._forks_done(f, dest, ops, attempt, timeout))
+        add_done_callback(fut, lambda f: self._forks_done(f, dest, ops, attempt, timeout),
+                          prompt=False)  # bookkeeping: a lent reading may keep it
 
     def _forks_done(self, fut, dest: int, ops: list, attempt: int, timeout: float) -> None:
         ctx = self._ctx

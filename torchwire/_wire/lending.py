@@ -5,7 +5,8 @@ thread wake-ups per call when a reader thread reads its connection: the kernel
 wakes the reader when the reply arrives, and the reader wakes the caller.  After
 the reader completes such a reply and rests (nothing buffered, no call pending on
 the connection), it *lends* the reading: it parks, and the next caller that waits
-for a reply on this connection *borrows* it and reads the socket itself
+for a reply on this connection (``rpc_sync``, ``to_here``, a future's ``wait()``)
+*borrows* it and reads the socket itself
 (``reader.read_borrowed``) until its own reply is in.  A call then costs one
 wake-up, the kernel's, of the thread that wants the reply.
 
@@ -15,11 +16,14 @@ States of one connection's reading::
     LENT     --a caller waits for its reply: borrow()-->                        BORROWED
     BORROWED --its reply is in, no other call pending: give_back()-->           LENT
     BORROWED --another call pending, an error, the stream's end: give_back(wake)-->  READING
-    LENT     --LINGER_S since lent or given back, or close(): wake()-->        READING
+    LENT     --LINGER_S since lent or given back, reclaim(), or close(): wake()--> READING
 
 In READING only the reader thread reads, in BORROWED only the borrower, in LENT
-nobody, for at most ``LINGER_S``: the reply to a call sent meanwhile that nobody
-borrows for (``rpc_async`` and a callback) waits that long at most.
+nobody.  A call sent while the reading is lent does not wake the reader: its
+caller may borrow (``wait()``).  Interest that will not read a reply itself (a
+callback, an ``await``, a wait on one of torchwire's own threads) reclaims the
+reading for the reader; anything else (torchwire's inline bookkeeping, torch's
+``collect_all``) waits ``LINGER_S`` at most.
 
 A borrower reads exact sizes, never past the end of a frame, so the role passes
 with no state: the reader's buffer is empty at rest and the borrower's when it
@@ -132,6 +136,14 @@ class ReadRole:
             else:
                 self.state = LENT
                 self._since = _monotonic()
+
+    def reclaim(self) -> None:
+        """Someone needs a reply read and will not read it itself (a callback, an
+        ``await``): a lent reading goes back to the reader now."""
+        with self._cond:
+            if self.state is LENT:
+                self.state = READING
+                self._cond.notify()
 
     def wake(self) -> None:
         """The connection is closing: the reader reads again (and finds the end)."""
