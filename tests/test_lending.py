@@ -252,6 +252,27 @@ def test_calls_sent_while_the_reading_is_lent_reach_whoever_waits():
     assert errors == [] and not stuck
 
 
+def test_a_burst_of_calls_sent_while_lent_wakes_the_reader():
+    def body(rank, world_size):
+        if rank == 1:
+            return None
+        _conn, role = _lent()  # 30 s before the reader would take the reading back
+        one = torch.ones(2)
+        futs = [rpc.rpc_async("worker1", triple, args=(one,))
+                for _ in range(lending.SENT_MAX)]
+        after_few = role.state  # a remote() before its to_here(): still lent
+        futs.append(rpc.rpc_async("worker1", triple, args=(one,)))
+        after_burst = role.state  # more: their replies must not pile up unread
+        done = threading.Event()
+        torch.futures.collect_all(futs).then(lambda f: done.set())  # (no reclaim)
+        return after_few, after_burst, done.wait(20), all(
+            torch.equal(f.wait(), one * 3) for f in futs)
+
+    after_few, after_burst, done, values_ok = run_world(body, 2)[0]
+    assert after_few == LENT and after_burst == READING
+    assert done and values_ok
+
+
 def test_a_reply_nobody_asks_for_waits_for_the_reader_at_most_the_linger():
     def body(rank, world_size):
         if rank == 1:

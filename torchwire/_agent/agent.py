@@ -49,6 +49,7 @@ from .._base.options import DEFAULT_HEARTBEAT_INTERVAL, DEFAULT_HEARTBEAT_TIMEOU
 from .._base.worker_info import WorkerInfo
 from .._base.worker_record import WorkerRecord
 from .._wire import frame as F
+from .._wire.lending import LENT as _LENT
 from .._wire.listener import host_identity
 from .coroutines import CoroutineRunner
 from .counters import Counters
@@ -268,8 +269,13 @@ class RpcAgent:
         # its caller may read the reply itself (``_wire/lending.py``)
         if sync:
             fut.conn, fut.deadline, fut.pending = conn, deadline, self.pending
-        elif conn.role is not None:
-            fut._tw_link = (conn, deadline, self.pending)
+        else:
+            # a call sent while the reading is not lent has its reply read before the
+            # reading can be lent (the reader lends only with nothing pending)
+            role = conn.role
+            if role is not None and role.state is _LENT:
+                fut._tw_link = (conn, deadline, self.pending)
+                role.sent_one()
         try:
             conn.send_frame(_K_REQUEST, flags, rid, payload, tensors, deadline)
         except (LinkError, RpcTimeoutError) as exc:

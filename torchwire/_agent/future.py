@@ -64,6 +64,10 @@ class Deferred:
 class Future(AsyncioFuture, torch.futures.Future):
     """A :class:`torch.futures.Future` whose callbacks stay off I/O threads."""
 
+    # (conn, deadline, pending calls) of a call sent while its connection's reading
+    # was lent (``_wire/lending.py``); a class default until set: no dict per future
+    _tw_link = None
+
     def then(self, callback):
         if not callable(callback):
             raise TypeError(f"then(): incompatible function arguments: callback must be "
@@ -133,7 +137,7 @@ class Future(AsyncioFuture, torch.futures.Future):
         """Something will wait for this future without reading its reply itself: a
         connection that lent its reading to callers (``_wire/lending.py``) gives it
         back to its reader."""
-        link = self.__dict__.get("_tw_link")
+        link = self._tw_link
         if link is not None:
             role = link[0].role
             if role.state is _LENT:
@@ -160,7 +164,7 @@ class Future(AsyncioFuture, torch.futures.Future):
         """
         try:
             if not self._completed():
-                link = self.__dict__.get("_tw_link")
+                link = self._tw_link
                 if link is not None:  # its reply may be read here (SyncReply.wait)
                     conn, deadline, pending = link
                     role = conn.role

@@ -16,14 +16,18 @@ States of one connection's reading::
     LENT     --a caller waits for its reply: borrow()-->                        BORROWED
     BORROWED --its reply is in, no other call pending: give_back()-->           LENT
     BORROWED --another call pending, an error, the stream's end: give_back(wake)-->  READING
-    LENT     --LINGER_S since lent or given back, reclaim(), or close(): wake()--> READING
+    LENT     --LINGER_S since lent or given back, reclaim() (SENT_MAX calls sent,
+               a callback, an await), or close(): wake()-->                 READING
 
 In READING only the reader thread reads, in BORROWED only the borrower, in LENT
 nobody.  A call sent while the reading is lent does not wake the reader: its
-caller may borrow (``wait()``).  Interest that will not read a reply itself (a
-callback, an ``await``, a wait on one of torchwire's own threads) reclaims the
-reading for the reader; anything else (torchwire's inline bookkeeping, torch's
-``collect_all``) waits ``LINGER_S`` at most.
+caller may borrow (``wait()``, or a ``to_here()`` after a ``remote()``).  A burst
+of them does (more than ``SENT_MAX``, :meth:`ReadRole.sent_one`): their replies
+would pile up unread, and the peer's writes stall, until someone waits.
+Interest that will not read a reply itself (a callback, an ``await``, a wait on
+one of torchwire's own threads) reclaims the reading for the reader; anything
+else (torchwire's inline bookkeeping, torch's ``collect_all``) waits ``LINGER_S``
+at most.
 
 A borrower reads exact sizes, never past the end of a frame, so the role passes
 with no state: the reader's buffer is empty at rest and the borrower's when it
@@ -58,15 +62,19 @@ def _linger_s() -> float:
 
 # How long a lent connection waits for a borrower before its reader reads again.
 LINGER_S = _linger_s()
+# Calls sent while lent, with nobody borrowing, beyond which the reader reads again.
+SENT_MAX = 2
 
 
 class ReadRole:
     """Who reads one connection now: its reader thread, or a borrowing caller."""
 
-    __slots__ = ("state", "closing", "error", "lends", "borrows", "_cond", "_since")
+    __slots__ = ("state", "closing", "error", "lends", "borrows", "sent", "_cond",
+                 "_since")
 
     def __init__(self) -> None:
         self.state = READING
+        self.sent = 0  # calls sent since it was last lent (an estimate: not locked)
         self.closing = False  # the connection is closing: no more lending
         self.error: BaseException | None = None  # a borrower's, for the reader to end with
         self.lends = 0  # times the reader lent the reading
@@ -92,6 +100,7 @@ class ReadRole:
             if self.closing:
                 return None
             self.state = LENT
+            self.sent = 0
             self._since = _monotonic()
         if not idle():
             with cond:
@@ -135,7 +144,16 @@ class ReadRole:
                 self._cond.notify()
             else:
                 self.state = LENT
+                self.sent = 0
                 self._since = _monotonic()
+
+    def sent_one(self) -> None:
+        """A call was sent on the connection while the reading is lent, by a caller
+        that does not wait for its reply at once: past ``SENT_MAX`` of them, the
+        reader reads again."""
+        self.sent += 1
+        if self.sent > SENT_MAX:
+            self.reclaim()
 
     def reclaim(self) -> None:
         """Someone needs a reply read and will not read it itself (a callback, an
