@@ -293,6 +293,49 @@ def test_a_reply_nobody_asks_for_waits_for_the_reader_at_most_the_linger():
     assert state is READING or state == READING  # taken back, not borrowed
 
 
+def test_replies_decode_as_on_a_reader_whatever_modes_the_caller_is_in():
+    def body(rank, world_size):
+        if rank == 1:
+            return None
+        _conn, role = _lent()
+        x = torch.ones(4)
+        out = {}
+        for name, mode in (("device", lambda: torch.device("meta")),
+                           ("inference", torch.inference_mode),
+                           ("no_grad", torch.no_grad)):
+            _relent(role)
+            with mode():
+                y = rpc.rpc_sync("worker1", triple, args=(x,))
+                z = rpc.remote("worker1", triple, args=(x,)).to_here()
+            out[name] = [(str(t.device), t.is_inference(), t.tolist()) for t in (y, z)]
+        return out
+
+    out = run_world(body, 2)[0]
+    # as torch's agent threads make them: CPU tensors, not inference tensors
+    expected = [("cpu", False, [3.0] * 4)] * 2
+    assert out == {"device": expected, "inference": expected, "no_grad": expected}, out
+
+
+def _nested_calls(n):
+    """On worker1, inside a call (a torchwire thread): ``n`` sync calls to worker0;
+    whether worker1's connection to worker0 ever lent its reading."""
+    from torchwire._agent.runtime import current
+    _lent_for_long()  # a lent reading would keep these waiting for 30 s
+    values = [float(rpc.rpc_sync("worker0", triple, args=(torch.ones(1),))) for _ in range(n)]
+    role = current.runtime.agent.links.connection_to(0).role
+    return values == [3.0] * n, role.lends, role.borrows
+
+
+def test_calls_made_on_torchwires_own_threads_never_lend():
+    def body(rank, world_size):
+        if rank == 1:
+            return None
+        return rpc.rpc_sync("worker1", _nested_calls, args=(50,))
+
+    ok, lends, borrows = run_world(body, 2)[0]
+    assert ok and lends == 0 and borrows == 0
+
+
 def test_a_borrowed_wait_ends_at_the_calls_deadline():
     def body(rank, world_size):
         if rank == 1:

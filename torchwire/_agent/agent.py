@@ -53,7 +53,7 @@ from .._wire.lending import LENT as _LENT
 from .._wire.listener import host_identity
 from .coroutines import CoroutineRunner
 from .counters import Counters
-from .future import Future, SyncReply
+from .future import Future, SyncReply, _may_borrow
 from .links import Links
 from .liveness import PeerHealth
 from .members import MemberChanges
@@ -269,6 +269,7 @@ class RpcAgent:
         # its caller may read the reply itself (``_wire/lending.py``)
         if sync:
             fut.conn, fut.deadline, fut.pending = conn, deadline, self.pending
+            fut.lends = _may_borrow()
         else:
             # a call sent while the reading is not lent has its reply read before the
             # reading can be lent (the reader lends only with nothing pending)

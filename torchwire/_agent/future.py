@@ -168,7 +168,7 @@ class Future(AsyncioFuture, torch.futures.Future):
                 if link is not None:  # its reply may be read here (SyncReply.wait)
                     conn, deadline, pending = link
                     role = conn.role
-                    if _threads.in_torchwire_thread():
+                    if not _may_borrow():
                         if role.state is _LENT:
                             role.reclaim()
                     elif role.borrow():
@@ -213,12 +213,14 @@ class SyncReply:
     costs tens of microseconds of Python wrappers and C++ around what is a lock
     hand-off.  Completed at most once (the agent pops the pending call first).
 
-    The agent sets ``conn`` (the connection the call went on), ``deadline`` and
-    ``pending`` (its :class:`~.pending.PendingCalls`) once the call is sent: a caller
-    outside torchwire's threads then reads the reply itself if the connection lends
-    its reading (``_wire/lending.py``)."""
+    The agent sets ``conn`` (the connection the call went on), ``deadline``,
+    ``pending`` (its :class:`~.pending.PendingCalls`) and ``lends`` (the calling
+    thread may read replies itself: :func:`_may_borrow`) once the call is sent: the
+    caller then reads the reply itself if the connection lends its reading
+    (``_wire/lending.py``), and its reply, completed by the reader, lends it."""
 
-    __slots__ = ("_lock", "_value", "_error", "_done", "conn", "deadline", "pending")
+    __slots__ = ("_lock", "_value", "_error", "_done", "conn", "deadline", "pending",
+                 "lends")
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -226,6 +228,7 @@ class SyncReply:
         self._done = False
         self._value = self._error = None
         self.conn = self.deadline = self.pending = None
+        self.lends = False  # its waiter may read the reply itself (_may_borrow())
 
     def set_result(self, value) -> None:
         self._value = value
@@ -246,17 +249,35 @@ class SyncReply:
         if not self._done:
             conn = self.conn
             role = getattr(conn, "role", None)
-            # (torchwire's own threads wait as always)
-            if role is not None and not _threads.in_torchwire_thread() and role.borrow():
-                pending = self.pending
-                _reader.read_borrowed(conn, role, self.done, self.deadline,
-                                      lambda: pending.idle_on(conn))
+            if role is not None:
+                if self.lends and role.borrow():
+                    pending = self.pending
+                    _reader.read_borrowed(conn, role, self.done, self.deadline,
+                                          lambda: pending.idle_on(conn))
+                elif not self.lends and role.state is _LENT:
+                    role.reclaim()  # lent by another thread's calls: not readable here
             if not self._done:
                 _threads.wait_blocking(self._lock.acquire)
         error = self._error
         if error is not None:
             raise _fresh(error) from error.__cause__
         return self._value
+
+
+_function_modes = torch._C._len_torch_function_stack
+_dispatch_modes = torch._C._len_torch_dispatch_stack
+_inference_mode = torch.is_inference_mode_enabled
+_functorch_active = torch._C._are_functorch_transforms_active
+
+
+def _may_borrow() -> bool:
+    """Whether the calling thread may read its reply itself (``_wire/lending.py``):
+    not one of torchwire's threads (they wait as always), and in none of torch's
+    thread-local modes that would change how the reply is decoded (a
+    ``torch.device`` context made its buffers on that device; inference mode,
+    inference tensors; a functorch transform), as on the reader."""
+    return not (_threads.in_torchwire_thread() or _function_modes() or _dispatch_modes()
+                or _inference_mode() or _functorch_active())
 
 
 def add_done_callback(fut, callback, prompt: bool = True) -> None:

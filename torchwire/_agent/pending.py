@@ -146,8 +146,8 @@ class PendingCalls:
         """Reader thread: the reply of call ``rid`` (dropped if the call is over).
 
         Returns:
-            whether it completed a :class:`~.future.SyncReply` (a caller waiting at
-            once: the connection may lend its reading, ``lending.py``).
+            whether it completed a :class:`~.future.SyncReply` whose caller may read
+            its next reply itself (the connection may lend its reading, ``lending.py``).
         """
         call = self._table.get(rid)
         if call is None:
@@ -182,7 +182,8 @@ class PendingCalls:
                 _settled_elsewhere(call.future)
         if self._draining:
             self._note_idle()
-        return call.future.__class__ is SyncReply
+        fut = call.future
+        return fut.__class__ is SyncReply and fut.lends
 
     def wait_idle(self, deadline: float) -> bool:
         """Wait until no call is pending; False if ``deadline`` passed first."""
