@@ -214,7 +214,7 @@ class RpcAgent:
     # ------------------------------------------------------------------ calls
 
     def call(self, to: WorkerInfo, func, args, kwargs, timeout: float, pin=None,
-             sync: bool = False, traced=None):
+             sync: bool = False, traced=None, bookkeeping: bool = False):
         """Send a request; returns the future of its reply.
 
         ``pin``: an object kept alive until the reply arrives (or the call fails).
@@ -222,6 +222,8 @@ class RpcAgent:
         of a future (only ``wait()`` and ``done()``).  While a profiler runs, the call
         is an event of it (``profiling.py``; ``traced``: it is, this is its
         ``profiling.Probe``, told the sizes of the request and of its reply).
+        ``bookkeeping``: an internal call whose reply nobody waits for soon (RRef
+        deletions): it never takes a lent reading back (``_wire/lending.py``).
 
         Raises (on the caller, before anything is sent):
             RpcStateError: the agent is shut down.
@@ -274,7 +276,7 @@ class RpcAgent:
             # a call sent while the reading is not lent has its reply read before the
             # reading can be lent (the reader lends only with nothing pending)
             role = conn.role
-            if role is not None and role.state is _LENT:
+            if role is not None and role.state is _LENT and not bookkeeping:
                 fut._tw_link = (conn, deadline, self.pending)
                 role.sent_one()
         try:

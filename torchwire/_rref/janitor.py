@@ -182,7 +182,7 @@ class Janitor:
             self._inflight += 1
         try:
             fut = agent.call(agent.get_worker_info(dest), rref_control, (ctx.rank, wire),
-                             None, timeout)
+                             None, timeout, bookkeeping=True)
         except Exception as exc:  # the owner left the group, or this agent shut down
             with self._lock:
                 self._inflight -= 1
