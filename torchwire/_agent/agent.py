@@ -271,7 +271,7 @@ class RpcAgent:
         # its caller may read the reply itself (``_wire/lending.py``)
         if sync:
             fut.conn, fut.deadline, fut.pending = conn, deadline, self.pending
-            fut.lends = _may_borrow()
+            fut.lends = conn.role is not None and _may_borrow()
         else:
             # a call sent while the reading is not lent has its reply read before the
             # reading can be lent (the reader lends only with nothing pending)

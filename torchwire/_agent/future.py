@@ -167,13 +167,7 @@ class Future(AsyncioFuture, torch.futures.Future):
                 link = self._tw_link
                 if link is not None:  # its reply may be read here (SyncReply.wait)
                     conn, deadline, pending = link
-                    role = conn.role
-                    if not _may_borrow():
-                        if role.state is _LENT:
-                            role.reclaim()
-                    elif role.borrow():
-                        _reader.read_borrowed(conn, role, self._completed, deadline,
-                                              lambda: pending.idle_on(conn))
+                    _read_own_reply(conn, _may_borrow(), self._completed, deadline, pending)
             if not self._completed():
                 if threading.get_ident() == _main_ident:
                     done = _allocate_lock()
@@ -248,14 +242,8 @@ class SyncReply:
         :meth:`Future.wait`."""
         if not self._done:
             conn = self.conn
-            role = getattr(conn, "role", None)
-            if role is not None:
-                if self.lends and role.borrow():
-                    pending = self.pending
-                    _reader.read_borrowed(conn, role, self.done, self.deadline,
-                                          lambda: pending.idle_on(conn))
-                elif not self.lends and role.state is _LENT:
-                    role.reclaim()  # lent by another thread's calls: not readable here
+            if conn is not None and conn.role is not None:
+                _read_own_reply(conn, self.lends, self.done, self.deadline, self.pending)
             if not self._done:
                 _threads.wait_blocking(self._lock.acquire)
         error = self._error
@@ -278,6 +266,19 @@ def _may_borrow() -> bool:
     inference tensors; a functorch transform), as on the reader."""
     return not (_threads.in_torchwire_thread() or _function_modes() or _dispatch_modes()
                 or _inference_mode() or _functorch_active())
+
+
+def _read_own_reply(conn, may_borrow: bool, done, deadline, pending) -> None:
+    """A waiter on ``conn`` (which lends): read the reply here if its reading is lent
+    and this thread may (``_wire/lending.py``); a thread that may not gives a lent
+    reading back to the reader."""
+    role = conn.role
+    if may_borrow:
+        if role.borrow():
+            _reader.read_borrowed(conn, role, done, deadline,
+                                  lambda: pending.idle_on(conn))
+    elif role.state is _LENT:
+        role.reclaim()
 
 
 def add_done_callback(fut, callback, prompt: bool = True) -> None:
