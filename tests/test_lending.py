@@ -168,6 +168,23 @@ def test_a_caller_waiting_at_once_reads_its_replies_itself():
     assert remote_borrows >= 25, remote_borrows
 
 
+def test_waiting_on_futures_lends_the_reading_to_the_next_wait():
+    def body(rank, world_size):
+        if rank == 1:
+            return None
+        _conn, role = _role()
+        _lent_for_long()
+        assert role.state == READING  # nothing lent yet: the first reply is the reader's
+        values = [float(rpc.rpc_async("worker1", triple, args=(torch.ones(1),)).wait())
+                  for _ in range(50)]
+        return values == [3.0] * 50, role.lends, role.borrows
+
+    ok, lends, borrows = run_world(body, 2)[0]
+    # the reader lent the reading after the first wait()'s reply; each later wait()
+    # read its own
+    assert ok and lends == 1 and borrows == 49, (lends, borrows)
+
+
 def test_turned_off_no_connection_lends():
     def body(rank, world_size, init_method):
         lending.LINGER_S = 0  # TORCHWIRE_LEND_US=0, read at import

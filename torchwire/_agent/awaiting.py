@@ -15,6 +15,10 @@ module keeps both small:
   be set and another to resume its task.  :class:`Waiter` is what ``await`` yields
   to the task instead: a future-compatible object that keeps the task's wake-up
   callback and calls it when drained, in the same loop turn.
+- **Both, skipped.**  A task awaiting a call whose connection lent its reading,
+  while its loop has nothing else to do, reads the reply on the loop's thread
+  before suspending (``Future._read_idle``, ``_wire/lending.py``), and the await
+  returns without a loop turn.
 
 :class:`AsyncioFuture` gives torchwire's future asyncio's interface inside a
 running loop, so ``asyncio.gather`` and ``wait`` take it without a task each.
@@ -280,6 +284,10 @@ class AsyncioFuture:
             raise self._make_cancelled_error()
         if not _c_done(self):
             loop = asyncio.get_running_loop()
+            if self._read_idle(loop) and _c_done(self):  # read on this thread
+                if self._tw_cancelled:
+                    raise self._make_cancelled_error()
+                return self.value()
             waiter = Waiter(loop, waker_of(loop))
             awaited = self._awaited()
             awaited.append(waiter)
@@ -295,6 +303,11 @@ class AsyncioFuture:
             if self._tw_cancelled:
                 raise self._make_cancelled_error()
         return self.value()
+
+    def _read_idle(self, loop) -> bool:
+        """About to wait on ``loop``: read the reply on the loop's thread while it
+        has nothing else to do; whether it tried (torchwire's future does)."""
+        return False
 
     def _awaited(self) -> list:
         """The waiters and asyncio callbacks to wake once it ends (made on first use);

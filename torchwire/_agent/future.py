@@ -24,6 +24,7 @@ import copy
 import functools
 import logging
 import threading
+import time
 from typing import Any
 
 import torch
@@ -67,6 +68,8 @@ class Future(AsyncioFuture, torch.futures.Future):
     # (conn, deadline, pending calls) of a call sent while its connection's reading
     # was lent (``_wire/lending.py``); a class default until set: no dict per future
     _tw_link = None
+    # its waiter may read the next reply itself (``wait()``, ``_read_idle``)
+    lends = False
 
     def then(self, callback):
         if not callable(callback):
@@ -143,6 +146,27 @@ class Future(AsyncioFuture, torch.futures.Future):
             if role.state is _LENT:
                 role.reclaim()
 
+    def _read_idle(self, loop) -> bool:
+        """A task on ``loop`` (this thread's, running) is about to await this future:
+        if the loop has nothing else to do, read the reply here, as ``wait()`` would
+        (``_wire/lending.py``), until the loop has (``_idle_loop``): a reply then
+        costs one thread wake-up, and no loop turn.  Whether it read."""
+        if not _may_borrow():
+            return False
+        link = self._tw_link
+        if link is None:  # the reader reads its reply; then it may lend the reading
+            self.lends = True
+            return False
+        conn, deadline, pending = link
+        role = conn.role
+        if role.state is not _LENT:
+            return False
+        idle = _idle_loop(loop)
+        if idle is None or not role.borrow():
+            return False
+        _reader.read_borrowed(conn, role, self._completed, deadline,
+                              lambda: pending.idle_on(conn), idle[0], idle[1])
+        return True
 
     def _add_inline_callback(self, callback) -> None:
         """Internal: run ``callback(self)`` on whichever thread completes the future,
@@ -168,6 +192,8 @@ class Future(AsyncioFuture, torch.futures.Future):
                 if link is not None:  # its reply may be read here (SyncReply.wait)
                     conn, deadline, pending = link
                     _read_own_reply(conn, _may_borrow(), self._completed, deadline, pending)
+                elif _may_borrow():  # the reader reads it, and may lend for the next
+                    self.lends = True
             if not self._completed():
                 if threading.get_ident() == _main_ident:
                     done = _allocate_lock()
@@ -279,6 +305,30 @@ def _read_own_reply(conn, may_borrow: bool, done, deadline, pending) -> None:
                                   lambda: pending.idle_on(conn))
     elif role.state is _LENT:
         role.reclaim()
+
+
+def _idle_loop(loop):
+    """``(descriptor of its selector, time.monotonic() of its next timer or None)`` of
+    an asyncio selector event loop with nothing ready to run, else None.
+
+    While a task waits in the loop's thread on its reply and this descriptor, the
+    loop would only have waited on the same descriptor: every event the loop waits
+    for (its sockets, wake-ups from other threads and signal handlers, which write
+    its self-pipe) makes it readable, and the wait ends at the loop's next timer.
+    Other loops (uvloop, Windows' proactor) and debug mode (which times each step)
+    are left alone: they wait for the reader.
+    """
+    try:
+        if loop._ready or loop._debug:
+            return None
+        fd = loop._selector._selector.fileno()
+        scheduled = loop._scheduled
+    except AttributeError:  # not asyncio's selector loop
+        return None
+    until = None
+    if scheduled:
+        until = time.monotonic() + (scheduled[0]._when - loop.time())
+    return fd, until
 
 
 def add_done_callback(fut, callback, prompt: bool = True) -> None:

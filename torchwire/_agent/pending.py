@@ -146,8 +146,8 @@ class PendingCalls:
         """Reader thread: the reply of call ``rid`` (dropped if the call is over).
 
         Returns:
-            whether it completed a :class:`~.future.SyncReply` whose caller may read
-            its next reply itself (the connection may lend its reading, ``lending.py``).
+            whether it completed a reply whose waiter may read its next reply itself
+            (``lends``: the connection may lend its reading, ``lending.py``).
         """
         call = self._table.get(rid)
         if call is None:
@@ -183,7 +183,7 @@ class PendingCalls:
         if self._draining:
             self._note_idle()
         fut = call.future
-        return fut.__class__ is SyncReply and fut.lends
+        return fut.lends if fut.__class__ is SyncReply else getattr(fut, "lends", False)
 
     def wait_idle(self, deadline: float) -> bool:
         """Wait until no call is pending; False if ``deadline`` passed first."""

@@ -5,8 +5,9 @@ thread wake-ups per call when a reader thread reads its connection: the kernel
 wakes the reader when the reply arrives, and the reader wakes the caller.  After
 the reader completes such a reply and rests (nothing buffered, no call pending on
 the connection), it *lends* the reading: it parks, and the next caller that waits
-for a reply on this connection (``rpc_sync``, ``to_here``, a future's ``wait()``)
-*borrows* it and reads the socket itself
+for a reply on this connection (``rpc_sync``, ``to_here``, a future's ``wait()``, an
+``await`` on an idle asyncio loop: ``Future._read_idle``) *borrows* it and reads
+the socket itself
 (``reader.read_borrowed``) until its own reply is in.  A call then costs one
 wake-up, the kernel's, of the thread that wants the reply.
 
@@ -24,8 +25,8 @@ nobody.  A call sent while the reading is lent does not wake the reader: its
 caller may borrow (``wait()``, or a ``to_here()`` after a ``remote()``).  A burst
 of them does (more than ``SENT_MAX``, :meth:`ReadRole.sent_one`): their replies
 would pile up unread, and the peer's writes stall, until someone waits.
-Interest that will not read a reply itself (a callback, an ``await``, a wait on
-one of torchwire's own threads) reclaims the reading for the reader; anything
+Interest that will not read a reply itself (a callback, an ``await`` on a busy
+loop, a wait on one of torchwire's own threads) reclaims the reading for the reader; anything
 else (torchwire's inline bookkeeping, torch's ``collect_all``) waits ``LINGER_S``
 at most.
 

@@ -34,7 +34,7 @@ import array
 import logging
 import math
 import select
-import signal
+import _signal  # signal's C functions: its Python wrappers cost ~10 µs a call
 import socket
 import threading
 import time
@@ -56,6 +56,8 @@ _ANC_SPACE = socket.CMSG_SPACE(253 * 4) if hasattr(socket, "CMSG_SPACE") else 0
 _CLOEXEC = int(getattr(socket, "MSG_CMSG_CLOEXEC", 0))
 _CTRUNC = int(getattr(socket, "MSG_CTRUNC", 0))
 _DONTWAIT = int(getattr(socket, "MSG_DONTWAIT", 0))
+_SIGINT = _signal.SIGINT
+_MAIN_IDENT = threading.main_thread().ident
 
 
 class Stream:
@@ -114,7 +116,8 @@ class _BorrowerBuffer(threading.local):
 _borrower = _BorrowerBuffer()
 
 
-def read_borrowed(conn, role, done, deadline: float | None, idle) -> None:
+def read_borrowed(conn, role, done, deadline: float | None, idle, loop_fd: int = -1,
+                  until: float | None = None) -> None:
     """A caller's thread, holding ``role`` borrowed (``lending.py``): read ``conn``
     until ``done()``, then give the reading back: lent on if ``idle()`` (no call
     pending on ``conn``), else to the reader.
@@ -124,13 +127,21 @@ def read_borrowed(conn, role, done, deadline: float | None, idle) -> None:
     ``_WAIT_SLICE_MS``.  The end of the stream, or an error inside a frame, goes
     back to the reader, which ends the connection (failing the pending calls, this
     one's too).  Raises only what interrupts the thread (``KeyboardInterrupt``).
+
+    An idle event loop's thread passes its selector's descriptor (``loop_fd``) and
+    its next timer (``until``): it stops waiting as soon as either is due (the loop
+    has something else to do), and the reader reads the reply.
     """
     poller = select.poll()
     poller.register(conn.sock, select.POLLIN)
+    if loop_fd >= 0:
+        poller.register(loop_fd, select.POLLIN)
     monotonic = time.monotonic
+    # [between frames (stopping inside one breaks the stream), Ctrl-C came inside one]
+    clean = [True, False]
 
     def ready() -> bool:
-        if sigint is not None and sigint[1]:  # Ctrl-C came inside the last frame
+        if clean[1]:  # Ctrl-C came inside the last frame
             raise KeyboardInterrupt
         while not done():
             if role.closing:
@@ -138,14 +149,19 @@ def read_borrowed(conn, role, done, deadline: float | None, idle) -> None:
             ms = _WAIT_SLICE_MS
             if deadline is not None:
                 ms = min(ms, max(1, math.ceil((deadline - monotonic()) * 1000)))
-            if poller.poll(ms):
-                return True
+            if until is not None:
+                left = until - monotonic()
+                if left <= 0:
+                    return False
+                ms = min(ms, max(1, math.ceil(left * 1000)))
+            events = poller.poll(ms)
+            if events:
+                return loop_fd < 0 or all(fd != loop_fd for fd, _ev in events)
         return False
 
     buf = _borrower.buf
     if buf is None:
         buf = _borrower.buf = bytearray(READ_BUF)
-    clean = [True]  # False while a frame is being read: stopping then breaks the stream
     was_io = _threads.in_io_thread()
     _threads.set_io(True)  # as on a reader: user callbacks go to the pool
     sigint = _defer_sigint(clean)
@@ -176,29 +192,28 @@ def read_borrowed(conn, role, done, deadline: float | None, idle) -> None:
     finally:
         _threads.set_io(was_io)
         if sigint is not None:
-            signal.signal(signal.SIGINT, sigint[0])
+            _signal.signal(_SIGINT, sigint)
     role.give_back(wake)
 
 
 def _defer_sigint(clean):
     """On the main thread under Python's own SIGINT handler: a handler that raises
-    ``KeyboardInterrupt`` between frames, as Python's would, but only notes one that
-    comes while a frame is read (the stream would break); returns ``[the handler to
-    restore, noted]``, or None where nothing was changed."""
-    if threading.current_thread() is not threading.main_thread():
+    ``KeyboardInterrupt`` between frames (``clean[0]``), as Python's would, but only
+    notes one that comes while a frame is read (``clean[1]``: the stream would
+    break); returns the handler to restore, or None where nothing was changed."""
+    if threading.get_ident() != _MAIN_IDENT:
         return None
-    previous = signal.getsignal(signal.SIGINT)
-    if previous is not signal.default_int_handler:
+    previous = _signal.getsignal(_SIGINT)
+    if previous is not _signal.default_int_handler:
         return None
-    state = [previous, False]
 
     def on_sigint(signum, frame):
         if clean[0]:
             raise KeyboardInterrupt
-        state[1] = True
+        clean[1] = True
 
-    signal.signal(signal.SIGINT, on_sigint)
-    return state
+    _signal.signal(_SIGINT, on_sigint)
+    return previous
 
 
 def _read(conn, ready=None, clean=None, buf=None):  # noqa: C901 - the hot loop, in one piece
