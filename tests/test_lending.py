@@ -21,7 +21,7 @@ import torchwire.rpc as rpc
 from _cluster import after_gate, die, open_gate, options, run_world, wait_until
 from torchwire._base.errors import ProtocolError, RpcTimeoutError
 from torchwire._wire import frame as F
-from torchwire._wire import lending, reader
+from torchwire._wire import lending, polling, reader
 from torchwire._wire.lending import BORROWED, LENT, READING, ReadRole
 
 pytestmark = pytest.mark.timeout(90)
@@ -409,8 +409,11 @@ def test_a_peer_killed_during_a_borrowed_wait_fails_the_call_naming_it():
 
 
 def _blocked_borrowing(ident: int) -> bool:
-    """Is thread ``ident`` waiting for a frame in a borrowed read (``ready``)?"""
+    """Is thread ``ident`` waiting for a frame in a borrowed read (``ready``, or the
+    polling it calls)?"""
     f = sys._current_frames().get(ident)
+    if f is not None and f.f_code.co_filename == polling.__file__:
+        f = f.f_back
     return (f is not None and f.f_code.co_name == "ready"
             and f.f_code.co_filename == reader.__file__)
 

@@ -63,6 +63,30 @@ def test_a_callee_polls_between_back_to_back_requests_and_a_mere_caller_never_do
     assert caller == {"episodes": 0, "hits": 0, "ceded": 0, "seconds": 0.0}
 
 
+def _reply_polls():
+    return rpc.stats()["reply_polls"]
+
+
+def test_a_caller_reading_its_own_replies_polls_for_them_and_a_mere_callee_never_does():
+    def body(rank, world_size):
+        if rank:
+            return None
+        results, polls = [], _reply_polls()
+        while len(results) < 4000 and not _polled_enough(polls):
+            base = len(results)
+            results.extend(rpc.rpc_sync("worker1", _plus_one, args=(base + i,))
+                           for i in range(100))
+            polls = _reply_polls()
+        return results, polls, rpc.rpc_sync("worker1", _reply_polls)
+
+    results, caller, callee = run_world(body, 2)[0]
+    assert results == list(range(1, len(results) + 1))
+    # the caller reads its replies itself (lending) and its reply usually comes
+    # while it still polls
+    assert _polled_enough(caller), caller
+    assert callee == {"episodes": 0, "hits": 0, "ceded": 0, "seconds": 0.0}
+
+
 def test_a_tcp_callee_polls_too():
     def body(rank, world_size):
         if rank:
@@ -106,11 +130,12 @@ def test_poll_us_zero_never_polls():
         if rank:
             return None
         results = [rpc.rpc_sync("worker1", _plus_one, args=(i,)) for i in range(200)]
-        return results, rpc.rpc_sync("worker1", _polls)
+        return results, rpc.rpc_sync("worker1", _polls), _reply_polls()
 
-    results, callee = run_world(body, 2, poll_us=0)[0]
+    results, callee, caller = run_world(body, 2, poll_us=0)[0]
     assert results == list(range(1, 201))
     assert callee["episodes"] == 0 and callee["hits"] == 0, callee
+    assert caller["episodes"] == 0 and caller["hits"] == 0, caller  # nor for replies
 
 
 def test_requests_that_come_far_apart_stop_the_polling():

@@ -33,18 +33,20 @@ def stats(agent) -> dict:
                             if x.channels.sends("cma") else "socket" for x in conns}),
         "shm": segments.stats(),
         "polls": polls(conns),
+        "reply_polls": polls(conns, "reply_poll"),
         "peers": peers(agent, io),
         "metrics_url": agent.metrics_endpoint.url if agent.metrics_endpoint else None,
     }
 
 
-def polls(conns) -> dict:
-    """How the open connections' readers polled after serving (``_wire/polling.py``):
-    ``episodes`` begun, ``hits`` (the next request came while polling), ``ceded``
+def polls(conns, which: str = "poll") -> dict:
+    """How the open connections' readers polled after serving (``_wire/polling.py``),
+    or (``which="reply_poll"``) how callers reading their own replies polled for them:
+    ``episodes`` begun, ``hits`` (what was polled for came while polling), ``ceded``
     (stopped early: other threads of the process ran) and ``seconds`` spent."""
     total = {"episodes": 0, "hits": 0, "ceded": 0, "seconds": 0.0}
     for conn in conns:
-        poll = getattr(conn, "poll", None)  # (a loopback connection has no reader)
+        poll = getattr(conn, which, None)  # (a loopback connection has no reader)
         if poll is not None:
             for k, v in poll.stats().items():
                 total[k] += v

@@ -92,7 +92,8 @@ class TorchwireRpcBackendOptions(RpcBackendOptions):
             the next request for up to this many microseconds before it sleeps,
             yielding its core between polls and stopping when other threads of the
             process run; the window adapts to how soon requests come (see
-            docs/architecture.md).  None (default): the environment variable
+            docs/architecture.md).  A caller that reads its own reply polls for it
+            the same way.  None (default): the environment variable
             ``TORCHWIRE_POLL_US``, else 1000.  0 never polls: the better setting
             on a host with more busy threads than cores.
     """

@@ -98,6 +98,8 @@ class Connection:
         # this side opened, on plain sockets, not lanes
         self.role = ReadRole() if (initiated and not lane and lendable()
                                    and isinstance(sock, socket.socket)) else None
+        # a borrower's wait for its reply polls first too, with a window of its own
+        self.reply_poll = RestPoll(int(poll_us * 1000)) if self.role is not None else None
         self._reader_done = threading.Event()
         self._reader = threading.Thread(target=self.read_loop, daemon=True,
                                         name=f"torchwire-reader-{peer_rank}")

@@ -23,6 +23,12 @@ reads.  That bounds the harm, not all of it: on a host with more busy threads th
 cores, ``poll_us=0`` is the better setting.  It never polls over TLS (the record
 layer reads in its own steps).
 
+A caller that borrowed its connection's reading (``reader.read_borrowed``) waits
+for its reply the same way, with a window of its own (``Connection.reply_poll``,
+the same ``poll_us``): a reply often comes within tens of microseconds, and a
+caller asleep in ``poll`` would pay the same wake-up for it.  What it polls is
+``poll`` with no timeout, not a read: a borrower reads exact sizes.
+
 One episode, after a batch with requests ends what was read::
 
     window 0 ---------------------------------------------> BLOCKED

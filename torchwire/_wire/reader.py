@@ -137,6 +137,14 @@ def read_borrowed(conn, role, done, deadline: float | None, idle, loop_fd: int =
     if loop_fd >= 0:
         poller.register(loop_fd, select.POLLIN)
     monotonic = time.monotonic
+    waiting = conn.reply_poll  # polls for a window before it sleeps (polling.py)
+
+    def poll_now(_ms):
+        events = poller.poll(0)
+        if not events:
+            raise BlockingIOError
+        return events
+
     # [between frames (stopping inside one breaks the stream), Ctrl-C came inside one]
     clean = [True, False]
 
@@ -154,7 +162,7 @@ def read_borrowed(conn, role, done, deadline: float | None, idle, loop_fd: int =
                 if left <= 0:
                     return False
                 ms = min(ms, max(1, math.ceil(left * 1000)))
-            events = poller.poll(ms)
+            events = waiting.read(poll_now, poller.poll, ms)
             if events:
                 return loop_fd < 0 or all(fd != loop_fd for fd, _ev in events)
         return False

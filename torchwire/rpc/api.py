@@ -186,7 +186,9 @@ def stats() -> dict[str, Any]:
     (by exception type name) and ``timeouts``.  ``"metrics_url"``: the Prometheus
     endpoint's URL when it is on (``metrics_port``), else None.  ``"polls"``: how the
     readers of open connections polled for the next request after serving
-    (``episodes``, ``hits``, ``ceded``: stopped as other threads ran, ``seconds``).
+    (``episodes``, ``hits``, ``ceded``: stopped as other threads ran, ``seconds``);
+    ``"reply_polls"``: the same for callers that read their own replies and polled
+    for them (``rpc_sync``, ``wait()``, an ``await`` on an idle loop).
 
     torchwire addition (torch has no equivalent); handy for monitoring and tests.
     See docs/guide-observability.md.
