@@ -305,3 +305,62 @@ def _reachable(rank):
     from torchwire._wire.listener import listener_alive
     record = rpc.api._get_current_rpc_agent().names.member(rank).record
     return listener_alive(record.tcp, record.unix)
+
+
+def test_a_dial_to_the_dead_process_failing_after_the_rejoin_marks_nothing():
+    """worker1 is killed and started again while worker0 dials the dead process: that
+    dial fails (its listener refused) only once the new process is known (a fault
+    hook holds it until then).  The failure is the old process's: worker0 reaches the
+    new one at its next call instead of taking the rank for dead for good."""
+    init_method = new_init_method()
+    hooked = _ctx.Event()
+    killed = _ctx.Event()
+    done = _ctx.Event()
+
+    def body(rank, world_size, init_method):
+        _init(f"worker{rank}", rank, world_size, init_method)
+        if rank == 1:  # the first incarnation: killed while it waits
+            time.sleep(2 * WAIT)
+            return None
+        from torchwire._base.errors import ConnectError
+        agent = rpc.api._get_current_rpc_agent()
+        old_pid = rpc.rpc_sync("worker1", pid)
+        stale = agent.names.member(1)
+        real = agent.links._connect
+        held: list = []
+
+        def connect(member, *args, **kwargs):  # the fault hook
+            if member is not stale:
+                return real(member, *args, **kwargs)
+            held.append(wait_until(lambda: agent.names.member(1) is not stale, WAIT))
+            raise torchwire.WorkerUnavailableError(
+                "cannot connect to worker1") from ConnectError("refused", refused=True)
+
+        agent.links._connect = connect
+        hooked.set()
+        assert killed.wait(WAIT)
+        new_pid = _new_pid_of("worker1", old_pid)
+        done.set()
+        rpc.shutdown()
+        return new_pid, held
+
+    def reborn(rank, world_size, init_method):
+        _init("worker1", 1, 2, init_method)
+        assert rpc.rpc_sync("worker0", add, args=(1, 1)) == 2
+        assert done.wait(WAIT)
+        rpc.shutdown()
+        return os.getpid()
+
+    procs = [start_child(body, r, 2, init_method) for r in range(2)]
+    try:
+        assert hooked.wait(60)
+        os.kill(procs[1][0].pid, signal.SIGKILL)
+        procs[1][0].join(5)
+        killed.set()
+        procs.append(start_child(reborn, 1, 2, init_method))
+        new_pid, held = child_result(procs[0])
+        assert child_result(procs[2]) == new_pid
+    finally:
+        _reap(procs)
+    # the dial to the dead process was held until the new one was known, then failed
+    assert held and all(held), held

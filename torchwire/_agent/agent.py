@@ -367,16 +367,22 @@ class RpcAgent:
 
     # ------------------------------------------------------------------ lost peers
 
-    def peer_lost(self, rank: int, why: str, dead: bool = False) -> None:
+    def peer_lost(self, rank: int, why: str, dead: bool = False, member=None) -> None:
         """``rank`` is gone or cut off: remember it (new calls fail at once), close every
         connection with it, fail every call pending on it, and tell the plug-ins once.
 
-        Called from readers, the liveness thread and callers whose connect failed.
+        Called from readers, the liveness thread and callers whose connect failed
+        (``member``: the one dialed; if another holds the rank now, nothing happens).
         """
         if rank == self.rank or self.state is AgentState.CLOSED:
             return
+        names = self.names
+        current = None if member is None else (lambda: names.member(rank) is member)
         # one that left a dynamic group is not remembered as down: nothing calls it
-        first = self.names.member(rank) is not None and self.health.mark_down(rank, why, dead)
+        first = names.member(rank) is not None and self.health.mark_down(rank, why, dead,
+                                                                         current)
+        if first is None:  # it restarted: the loss was its old process's
+            return
         err = self.unavailable(rank, why)
         # Fail the pending calls first: closing wakes the readers, which would fail
         # them with a bare "connection lost" instead of the reason known here.

@@ -266,7 +266,10 @@ class Links:
         except WorkerUnavailableError as exc:
             out.phase = LinkState.IDLE
             why, dead = agent.health.connect_failed(rank, exc)
-            agent.peer_lost(rank, why, dead)
+            if agent.names.member(rank) is not member:  # it restarted meanwhile
+                raise agent.unavailable(rank, f"it restarted while this call connected "
+                                              f"to its old process: {why}") from exc.__cause__
+            agent.peer_lost(rank, why, dead, member)
             agent.health.attempt_failed(rank)
             raise agent.unavailable(rank, why) from exc.__cause__
         except BaseException:

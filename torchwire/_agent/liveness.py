@@ -11,9 +11,10 @@ states of a link's state machine (written out in ``links.py``)::
                              authentication-->              DEAD (final)
 
 A refused connection is proof that the process is gone (its listening socket is
-closed), so a DEAD peer fails every call at once.  A DOWN peer may only be cut off
-(a link down, packets dropped, a frozen process): the next call to it connects
-again (:meth:`PeerHealth.gate`).  Attempts are spaced by a backoff: the first
+closed), so a DEAD peer fails every call at once: the process dialed, not a newcomer
+that took its rank meanwhile (a restart: ``mark_down``'s ``current``).  A DOWN peer
+may only be cut off (a link down, packets dropped, a frozen process): the next call
+to it connects again (:meth:`PeerHealth.gate`).  Attempts are spaced by a backoff: the first
 retry after a loss is immediate, each failed attempt doubles the pause from
 ``_BACKOFF_MIN`` up to ``_BACKOFF_MAX`` (1 s).  A call whose deadline comes before
 the next attempt fails at once; one whose deadline allows it waits for the attempt.
@@ -152,9 +153,17 @@ class PeerHealth:
             self._next_retry[rank] = time.monotonic() + pause
             self._backoff[rank] = min(pause * 2, _BACKOFF_MAX)
 
-    def mark_down(self, rank: int, why: str, dead: bool = False) -> bool:
-        """Remember ``rank`` as down (``dead``: for good); True if it was up."""
+    def mark_down(self, rank: int, why: str, dead: bool = False,
+                  current=None) -> bool | None:
+        """Remember ``rank`` as down (``dead``: for good); True if it was up.
+
+        ``current()``: whether the incarnation the loss concerns still holds the rank,
+        asked under the lock :meth:`forget` takes after a newcomer took it (so a loss
+        of the old one seen meanwhile cannot mark the newcomer): None if not.
+        """
         with self._lock:
+            if current is not None and not current():
+                return None
             first = rank not in self._down
             if first or dead:
                 self._down[rank] = why

@@ -267,7 +267,7 @@ class Termination:
         if listener_alive(rec.tcp, rec.unix if rec.host == agent.host else None):
             return True
         agent.peer_lost(rank, "its listener refused the connection (the process is gone)",
-                        dead=True)
+                        dead=True, member=member)
         return False
 
 
