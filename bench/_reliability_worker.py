@@ -92,12 +92,14 @@ def issue_tracked(rpc, to, fn, args, timeout):
     rec["issue_s"] = time.monotonic() - rec["t0"]
 
     def done(f):
-        rec["t1"] = time.monotonic()
+        t1 = time.monotonic()
         try:
             f.value()
-            rec["error"] = None
+            error = None
         except BaseException as exc:  # noqa: B036
-            rec["error"] = describe(exc)
+            error = describe(exc)
+        rec["error"] = error
+        rec["t1"] = t1  # last: settle() takes a record with "t1" as complete
 
     fut.add_done_callback(done)
     rec["fut"] = fut
@@ -109,7 +111,10 @@ def settle(recs, cap: float) -> list[dict]:
     deadline = time.monotonic() + cap
     while any("t1" not in r for r in recs) and time.monotonic() < deadline:
         time.sleep(0.02)
-    return [{k: v for k, v in r.items() if k != "fut"} for r in recs]
+    out = [dict(r) for r in recs]  # (one step each: callbacks may still add keys)
+    for r in out:
+        r.pop("fut", None)
+    return out
 
 
 def ten_thousand_outstanding(rpc) -> dict:
