@@ -26,6 +26,26 @@ from torchwire._base.errors import RpcTimeoutError
 pytestmark = pytest.mark.timeout(90)
 
 
+def _when_reading(ident: int, action) -> list:
+    """On a thread: ``action()`` once thread ``ident`` waits in a borrowed read; the
+    list it returns gets True when it did."""
+    seen: list = []
+
+    def watch():
+        if wait_until(lambda: _blocked_borrowing(ident), 20):
+            seen.append(True)
+            action()
+
+    threading.Thread(target=watch, daemon=True).start()
+    return seen
+
+
+def _open_and_call(key: str) -> float:
+    """Open gate ``key`` on worker1, then one more call there: its value."""
+    rpc.rpc_sync("worker1", open_gate, args=(key,))
+    return float(rpc.rpc_sync("worker1", triple, args=(torch.ones(1),)))
+
+
 def test_sequential_awaits_read_their_replies_on_the_loops_thread():
     def body(rank, world_size):
         if rank == 1:
@@ -142,15 +162,8 @@ def test_cancelling_a_reading_task_from_another_thread_stops_it_at_once():
         conn, role = _lent()
 
         async def main():
-            loop = asyncio.get_running_loop()
-            task = asyncio.current_task()
-            main_ident = threading.get_ident()
-
-            def cancel_when_reading():
-                if wait_until(lambda: _blocked_borrowing(main_ident), 20):
-                    loop.call_soon_threadsafe(task.cancel)
-
-            threading.Thread(target=cancel_when_reading, daemon=True).start()
+            loop, task = asyncio.get_running_loop(), asyncio.current_task()
+            _when_reading(threading.get_ident(), lambda: loop.call_soon_threadsafe(task.cancel))
             try:
                 await rpc.rpc_async("worker1", after_gate, args=("idle-cancel", 1),
                                     timeout=30)
@@ -161,9 +174,7 @@ def test_cancelling_a_reading_task_from_another_thread_stops_it_at_once():
         started = time.monotonic()
         outcome = asyncio.run(main())
         took = time.monotonic() - started
-        rpc.rpc_sync("worker1", open_gate, args=("idle-cancel",))
-        after = rpc.rpc_sync("worker1", triple, args=(torch.ones(1),))
-        return outcome, took, float(after), conn.closed
+        return outcome, took, _open_and_call("idle-cancel"), conn.closed
 
     outcome, took, after, closed = run_world(body, 2)[0]
     assert outcome == "cancelled" and took < 20, (outcome, took)
@@ -187,9 +198,7 @@ def test_a_reading_await_ends_at_the_calls_deadline():
 
         outcome = asyncio.run(main())
         borrowed = role.borrows - before
-        rpc.rpc_sync("worker1", open_gate, args=("idle-deadline",))
-        after = rpc.rpc_sync("worker1", triple, args=(torch.ones(1),))
-        return outcome, borrowed, float(after)
+        return outcome, borrowed, _open_and_call("idle-deadline")
 
     outcome, borrowed, after = run_world(body, 2)[0]
     assert "RPC ran for more than set timeout (500 ms)" in outcome and "worker1" in outcome
@@ -203,17 +212,12 @@ def test_ctrl_c_under_asyncio_run_stops_a_reading_await():
             return None
         conn, _role_ = _lent()
         signal.signal(signal.SIGINT, signal.default_int_handler)
-        main_ident, signalled = threading.get_ident(), []
-
-        def interrupt():
-            if wait_until(lambda: _blocked_borrowing(main_ident), 20):
-                signalled.append(True)
-                os.kill(os.getpid(), signal.SIGINT)
 
         async def main():
             await rpc.rpc_async("worker1", after_gate, args=("idle-ctrl-c", 1), timeout=30)
 
-        threading.Thread(target=interrupt, daemon=True).start()
+        signalled = _when_reading(threading.get_ident(),
+                                  lambda: os.kill(os.getpid(), signal.SIGINT))
         started = time.monotonic()
         try:
             asyncio.run(main())
@@ -221,9 +225,7 @@ def test_ctrl_c_under_asyncio_run_stops_a_reading_await():
         except KeyboardInterrupt:
             outcome = "KeyboardInterrupt"
         took = time.monotonic() - started
-        rpc.rpc_sync("worker1", open_gate, args=("idle-ctrl-c",))
-        after = rpc.rpc_sync("worker1", triple, args=(torch.ones(1),))
-        return signalled, outcome, took, float(after), conn.closed
+        return signalled, outcome, took, _open_and_call("idle-ctrl-c"), conn.closed
 
     signalled, outcome, took, after, closed = run_world(body, 2)[0]
     assert signalled, "the main thread was never seen reading for its await"

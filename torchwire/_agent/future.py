@@ -151,7 +151,8 @@ class Future(AsyncioFuture, torch.futures.Future):
         if the loop has nothing else to do, read the reply here, as ``wait()`` would
         (``_wire/lending.py``), until the loop has (``_idle_loop``): a reply then
         costs one thread wake-up, and no loop turn.  Whether it read."""
-        if not _may_borrow():
+        idle = _idle_loop(loop)
+        if idle is None or not _may_borrow():
             return False
         link = self._tw_link
         if link is None:  # the reader reads its reply; then it may lend the reading
@@ -159,10 +160,7 @@ class Future(AsyncioFuture, torch.futures.Future):
             return False
         conn, deadline, pending = link
         role = conn.role
-        if role.state is not _LENT:
-            return False
-        idle = _idle_loop(loop)
-        if idle is None or not role.borrow():
+        if role.state is not _LENT or not role.borrow():
             return False
         _reader.read_borrowed(conn, role, self._completed, deadline,
                               lambda: pending.idle_on(conn), idle[0], idle[1])

@@ -34,7 +34,6 @@ import time
 from .. import _serialization as ser
 from .._base.errors import ProtocolError, RpcTimeoutError, SerializationError
 from .._wire import frame as F
-from .future import SyncReply
 from .metrics import CallMetrics
 from .timer import DeadlineTimer
 
@@ -182,8 +181,7 @@ class PendingCalls:
                 _settled_elsewhere(call.future)
         if self._draining:
             self._note_idle()
-        fut = call.future
-        return fut.lends if fut.__class__ is SyncReply else getattr(fut, "lends", False)
+        return call.future.lends
 
     def wait_idle(self, deadline: float) -> bool:
         """Wait until no call is pending; False if ``deadline`` passed first."""
