@@ -221,6 +221,25 @@ def test_the_window_grows_on_close_requests_and_halves_to_nothing_on_late_ones(p
     assert late.hits == 0 and late.episodes == 3
 
 
+def test_a_miss_grows_the_window_to_span_the_wait_it_saw(pair, monkeypatch):
+    """One miss is enough to reach a caller that works between its calls: the window
+    grows to cover the wait, not one doubling (four misses would rest first)."""
+    _quiet(monkeypatch)
+    a, b = pair
+    recv_nowait, recv = _reader(b)
+    view = memoryview(bytearray(64))
+    poll = RestPoll(50_000_000)  # 50 ms
+    poll.window_ns = POLL_START_NS
+    timer = threading.Timer(0.02, a.sendall, args=(b"w",))  # 20 ms: 400 starting windows
+    timer.start()
+    assert poll.read(recv_nowait, recv, view) == 1
+    timer.join()
+    assert (poll.episodes, poll.hits, poll.misses) == (1, 0, 1)
+    assert 20_000_000 <= poll.window_ns <= 50_000_000, poll.window_ns
+    assert poll.window_ns // POLL_START_NS & (poll.window_ns // POLL_START_NS - 1) == 0 \
+        or poll.window_ns == 50_000_000  # doublings of the start, or the cap
+
+
 def test_polls_that_keep_missing_rest(pair, monkeypatch):
     """A run of ``MISS_LIMIT`` misses stops the polling for ``REST_READS`` reads, even
     while requests come close behind (a poller can hold up a starved peer)."""
@@ -228,8 +247,8 @@ def test_polls_that_keep_missing_rest(pair, monkeypatch):
     a, b = pair
     recv_nowait, recv = _reader(b)
     view = memoryview(bytearray(64))
-    poll = RestPoll(50_000_000)
-    poll.window_ns = 1_000_000  # 1 ms polls, data 20 ms later: each one misses
+    poll = RestPoll(10_000_000)
+    poll.window_ns = 1_000_000  # 1 ms polls (and less), data 20 ms later: each one misses
     for _ in range(MISS_LIMIT):
         timer = threading.Timer(0.02, a.sendall, args=(b"m",))
         timer.start()

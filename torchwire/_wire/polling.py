@@ -8,7 +8,10 @@ on a virtual machine whose idle vCPUs halt, waking one is a trip through the hos
 short window first.  The window adapts per connection the way Linux's ``haltpoll``
 adapts a vCPU's: it grows (up to ``poll_us``) while the next request comes within
 ``poll_us`` of the last reply, and shrinks to nothing while requests come further
-apart, so a connection whose requests are rare never polls.
+apart, so a connection whose requests are rare never polls.  It grows at once to
+a window that would have caught the last request (doubling until it spans the
+wait), not one doubling a miss: four misses end in a rest (below), and 50, 100,
+200, 400 µs would never reach a caller that works 500 µs between its calls.
 
 Polling must not take what others need.  Between two polls the reader yields its
 core (``sched_yield``: a task waiting for this core goes first) and, with it,
@@ -38,6 +41,7 @@ One episode, after a batch with requests ends what was read::
     a miss, the MISS_LIMIT-th in a row: window 0, rest REST_READS reads
     BLOCKED --resting: one read less to rest--------------> READ
     BLOCKED --data within poll_us of the reply: grow------> READ
+              (double, and again until the window spans that wait)
     BLOCKED --data later: shrink (halve; under the start: 0)-> READ
 """
 
@@ -135,10 +139,14 @@ class RestPoll:
             if self.misses >= MISS_LIMIT:  # polling keeps missing: rest from it
                 self.misses, self.rest, self.window_ns = 0, REST_READS, 0
         got = recv(view)
+        waited = _clock() - t0
         if self.rest:
             self.rest -= 1
-        elif _clock() - t0 <= self.max_ns:  # a longer window would have caught it
-            self.window_ns = min(self.max_ns, max(self.start_ns, window * 2))
+        elif waited <= self.max_ns:  # a longer window would have caught it: grow to one
+            grown = max(self.start_ns, window * 2)
+            while grown < waited:
+                grown *= 2
+            self.window_ns = min(self.max_ns, grown)
         else:
             window //= 2
             self.window_ns = window if window >= self.start_ns else 0
