@@ -168,6 +168,7 @@ def test_static_group_takes_a_killed_worker_back_and_refuses_a_live_ranks_claim(
     ready = _ctx.Barrier(3)  # ranks 0 and 1 set up, plus this process
     killed = _ctx.Event()
     victim_ready = _ctx.Event()
+    claimed = _ctx.Event()  # the impostor is done: worker1 (alive until then) may leave
     old_pid = _ctx.Value("i", 0)
 
     def body(rank, world_size, init_method):
@@ -181,6 +182,7 @@ def test_static_group_takes_a_killed_worker_back_and_refuses_a_live_ranks_claim(
             with pytest.raises(torchwire.WorkerUnavailableError, match="worker2"):
                 pending.wait()
             new = _new_pid_of("worker2", old_pid.value)
+            assert claimed.wait(WAIT)
             rpc.shutdown()
             return new
         old_pid.value = rpc.rpc_sync("worker2", pid)
@@ -210,7 +212,10 @@ def test_static_group_takes_a_killed_worker_back_and_refuses_a_live_ranks_claim(
         procs[2][0].join(5)
         killed.set()
         procs.append(start_child(reborn, 2, 3, init_method))
-        live, renamed = child_result(start_child(impostor, 1, 3, init_method))
+        try:
+            live, renamed = child_result(start_child(impostor, 1, 3, init_method))
+        finally:
+            claimed.set()
         new0, forks = child_result(procs[0])
         new1 = child_result(procs[1])
         assert child_result(procs[3]) == new0 == new1
