@@ -175,14 +175,21 @@ def test_waiting_on_futures_lends_the_reading_to_the_next_wait():
         _conn, role = _role()
         _lent_for_long()
         assert role.state == READING  # nothing lent yet: the first reply is the reader's
-        values = [float(rpc.rpc_async("worker1", triple, args=(torch.ones(1),)).wait())
-                  for _ in range(50)]
-        return values == [3.0] * 50, role.lends, role.borrows
+        values, lent_before = [], []
+        for _ in range(50):
+            lent_before.append(role.lends)
+            values.append(float(rpc.rpc_async("worker1", triple,
+                                              args=(torch.ones(1),)).wait()))
+        return values == [3.0] * 50, lent_before, role.lends, role.borrows
 
-    ok, lends, borrows = run_world(body, 2)[0]
-    # the reader lent the reading after the first wait()'s reply; each later wait()
-    # read its own
-    assert ok and lends == 1 and borrows == 49, (lends, borrows)
+    ok, lent_before, lends, borrows = run_world(body, 2)[0]
+    assert ok
+    # The reader lends the reading after the first reply a wait() waited for: the
+    # first call's, unless its reply came before wait() did (a busy machine), then
+    # the next one's.  Every wait() after that read its own reply.
+    read_by_reader = lent_before.count(0)
+    assert lends == 1 and read_by_reader <= 10, (lends, lent_before)
+    assert borrows == 50 - read_by_reader, (borrows, read_by_reader)
 
 
 def test_turned_off_no_connection_lends():
