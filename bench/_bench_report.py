@@ -380,9 +380,11 @@ def build_scale_section(scale: dict, libs: list, sizes: tuple, rounds: int, star
     lines = [SCALE_BEGIN, "## Init at scale (`./run bench --scale`)", "",
              f"- Date: {started.strftime('%Y-%m-%d %H:%M:%S %Z').strip()}; torchwire "
              f"{machine['torchwire']}; {rounds} round(s) per library and size, alternating.",
-             "- A zygote process imports the library and forks N workers on 127.0.0.1 "
-             "(`init_method=tcp://`, default options); init time = the last worker's return "
-             "from `init_rpc` - the first worker's call (wall clock); then all shut down.",
+             "- A zygote process imports the library, freezes its objects (`gc.freeze()`, "
+             "so that the workers' collections copy none of them) and forks N workers on "
+             "127.0.0.1 (`init_method=tcp://`, default options); init time = the last "
+             "worker's return from `init_rpc` - the first worker's call (wall clock); then "
+             "all shut down.",
              ""] + _head(cols, ["---:"] + ["---:"] * (2 * len(libs))
                          + ([":---", ":---", ":---:"] if both else []))
     for n in sizes:

@@ -6,10 +6,19 @@ import time is not counted; the workers wait until all are forked, then call
 wall clock when it calls ``init_rpc`` and when it returns; init time = last return -
 first call.  Then every worker shuts down (graceful), and the zygote reports.  The
 libraries alternate, round by round.
+
+The zygote calls ``gc.freeze()`` before it forks, as CPython's docs advise for a
+process that forks without exec: otherwise the first full collection in each worker
+writes to every object inherited from the zygote (their GC headers), copying each
+page of them.  With 64 workers on 2 cores those copies took 4 s of a torchwire init
+of 0.4 s (a collection fell inside ``init_rpc`` whenever the zygote had imported
+``statistics``, as the bench's modules do), which is not what a worker started by a
+launcher pays.
 """
 
 from __future__ import annotations
 
+import gc
 import os
 import queue as _queue
 import select
@@ -47,6 +56,7 @@ def zygote_main(lib, n, port, cfg, q) -> None:
         rpc, _ = _bench_worker._load_lib(lib, cfg)
         r, w = os.pipe()
         go_r, go_w = os.pipe()
+        gc.freeze()  # see the module docstring
         for rank in range(n):
             pid = os.fork()
             if pid == 0:
