@@ -10,10 +10,9 @@ libraries alternate, round by round.
 The zygote calls ``gc.freeze()`` before it forks, as CPython's docs advise for a
 process that forks without exec: otherwise the first full collection in each worker
 writes to every object inherited from the zygote (their GC headers), copying each
-page of them.  With 64 workers on 2 cores those copies took 4 s of a torchwire init
-of 0.4 s (a collection fell inside ``init_rpc`` whenever the zygote had imported
-``statistics``, as the bench's modules do), which is not what a worker started by a
-launcher pays.
+page of them: on a small host, with many workers, those copies outweigh the init
+being measured, and a worker started by a launcher never pays them (BENCHMARKS.md,
+thirteenth session).
 """
 
 from __future__ import annotations
