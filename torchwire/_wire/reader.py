@@ -57,6 +57,9 @@ _CLOEXEC = int(getattr(socket, "MSG_CMSG_CLOEXEC", 0))
 _CTRUNC = int(getattr(socket, "MSG_CTRUNC", 0))
 _DONTWAIT = int(getattr(socket, "MSG_DONTWAIT", 0))
 _SIGINT = _signal.SIGINT
+_TCP_FAMILIES = (socket.AF_INET, socket.AF_INET6)
+RCVLOWAT = 256 << 10  # a long read over TCP wakes once per this many bytes ...
+BATCHED_MIN = 4 << 20  # ... when this many or more are left to read
 _MAIN_IDENT = threading.main_thread().ident
 
 
@@ -204,6 +207,40 @@ def read_borrowed(conn, role, done, deadline: float | None, idle, loop_fd: int =
     role.give_back(wake)
 
 
+def _read_batched(sock: socket.socket, dst: memoryview, off: int, conn) -> int:
+    """Receive ``dst[off:]`` but its last bytes with ``SO_RCVLOWAT`` at ``RCVLOWAT``:
+    the kernel then wakes the reader once per that many bytes instead of once per
+    segment, and the reader copies them in larger pieces (BENCHMARKS.md, fourteenth
+    session).  Returns the new offset; the caller reads the rest as usual.
+
+    The kernel wakes a waiting ``recv`` only when ``RCVLOWAT`` bytes are queued,
+    however many it has copied already, so each ``recv`` asks for all but the last
+    ``RCVLOWAT`` bytes of the buffer: whenever it waits, at least that many more are
+    still to come.  Not on a connection whose receive buffer is still small: there
+    setting the mark would also clamp its window to it."""
+    n = len(dst)
+    try:
+        if sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF) < 4 * RCVLOWAT:
+            return off
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, RCVLOWAT)
+    except OSError:
+        return off  # the read that follows reports a broken socket
+    try:
+        last = n - RCVLOWAT
+        while last - off >= RCVLOWAT:
+            got = sock.recv_into(dst[off:last])
+            if not got:
+                raise EOFError(f"rank {conn.peer_rank} closed the connection mid-frame")
+            off += got
+            conn.progress_in += 1  # a long transfer is not a silent peer
+    finally:
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, 1)
+        except OSError:
+            pass
+    return off
+
+
 def _defer_sigint(clean):
     """On the main thread under Python's own SIGINT handler: a handler that raises
     ``KeyboardInterrupt`` between frames (``clean[0]``), as Python's would, but only
@@ -276,6 +313,9 @@ def _read(conn, ready=None, clean=None, buf=None):  # noqa: C901 - the hot loop,
 
         def recv_nowait(view) -> int:
             return recv_into(view, 0, _DONTWAIT)
+    # a long read over TCP (not TLS: its reads are its own) wakes per RCVLOWAT bytes
+    batched = (type(sock) is socket.socket and not channels.fd_passing
+               and sock.family in _TCP_FAMILIES)
     # after serving, poll before sleeping (not over TLS: its reads are its own)
     poll = conn.poll if (conn.poll.max_ns and _DONTWAIT and not exact
                          and isinstance(sock, socket.socket)) else None
@@ -312,6 +352,8 @@ def _read(conn, ready=None, clean=None, buf=None):  # noqa: C901 - the hot loop,
         off = have
         if off < n and frames:
             deliver()
+        if batched and n - off >= BATCHED_MIN:
+            off = _read_batched(sock, dst, off, conn)
         while off < n:
             got = recv_into(dst[off:])
             if not got:
